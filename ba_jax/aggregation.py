@@ -1,0 +1,171 @@
+"""Token weights for every aggregation rule of a GRPO-style loss.
+
+Every rule is a table of token weights ``w_NxT`` computed from the response
+mask, the sequence advantages and the group layout only (DESIGN.md section 1);
+the aggregated loss is ``sum(w * values)``. Rows are group-major: sequence
+``n`` belongs to group ``n // group_size``. The mode and its options are static
+(Python values), so each mode compiles its own function under ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("token", "sequence", "dr_grpo", "balanced")
+BA_DENOMINATORS = ("group", "signed")
+BA_SCOPES = ("group", "batch")
+
+
+def check_option(name: str, value, valid) -> None:
+  """Raises a ValueError naming the option, the value seen and the valid ones."""
+  if value not in valid:
+    raise ValueError(f"Unknown {name} {value!r}; expected one of {list(valid)}.")
+
+
+def _safe_div(num, den):
+  """num / den where den > 0, else 0 (an empty subset contributes nothing)."""
+  positive = den > 0
+  return jnp.where(positive, num / jnp.where(positive, den, 1.0), 0.0)
+
+
+def _check_layout(mask_NxT, advantages_N, group_size: int) -> None:
+  if mask_NxT.ndim != 2:
+    raise ValueError(f"mask must be [N, T]; got shape {mask_NxT.shape}.")
+  n = mask_NxT.shape[0]
+  if advantages_N.shape != (n,):
+    raise ValueError(
+        f"advantages must be [N] = [{n}] to match mask {mask_NxT.shape}; "
+        f"got shape {advantages_N.shape}.")
+  if not isinstance(group_size, int) or group_size < 1 or n % group_size:
+    raise ValueError(
+        f"group_size must be a positive int dividing N={n}; got {group_size!r}.")
+
+
+def _balanced_coefficients(lengths_N, advantages_N, *, group_size: int,
+                           ba_denominator: str, ba_scope: str):
+  """Per-sequence coefficient c[n] so that w[n, t] = m[n, t] * c[n]."""
+  n = lengths_N.shape[0]
+  if ba_scope == "group":
+    groups = n // group_size
+    lengths = lengths_N.reshape(groups, group_size)
+    adv = advantages_N.reshape(groups, group_size)
+  else:  # one positive and one negative subset pooled over the whole batch
+    groups = 1
+    lengths = lengths_N.reshape(1, n)
+    adv = advantages_N.reshape(1, n)
+  pos = (adv > 0).astype(jnp.float32)
+  neg = (adv < 0).astype(jnp.float32)
+  count_pos = pos.sum(-1, keepdims=True)
+  count_neg = neg.sum(-1, keepdims=True)
+  tokens_pos = (pos * lengths).sum(-1, keepdims=True)
+  tokens_neg = (neg * lengths).sum(-1, keepdims=True)
+  if ba_denominator == "group":
+    denom = jnp.full_like(count_pos, lengths.shape[1])
+  else:  # "signed": only sequences with a non-zero advantage count
+    denom = count_pos + count_neg
+  # |S| / denom is the subset's share; dividing by T_S takes its token mean and
+  # by the number of groups takes the mean over groups.
+  coef_pos = _safe_div(count_pos, denom * tokens_pos) / groups
+  coef_neg = _safe_div(count_neg, denom * tokens_neg) / groups
+  coef = pos * coef_pos + neg * coef_neg
+  return coef.reshape(n)
+
+
+def token_weights(mask, advantages, *, mode: str, group_size: int,
+                  max_response_len: int | None = None,
+                  ba_denominator: str = "group", ba_scope: str = "group"):
+  """Aggregation weights ``w_NxT >= 0`` with ``J = sum(w * l)``.
+
+  Args:
+    mask: [N, T] response mask (0/1, any dtype).
+    advantages: [N] sequence advantages.
+    mode: one of ``MODES``.
+    group_size: G, the responses per prompt; N must be a multiple of it.
+    max_response_len: the constant of ``dr_grpo`` (required there only).
+    ba_denominator: ``"group"`` (|S|/G) or ``"signed"`` (|S|/(|P|+|N|)).
+    ba_scope: ``"group"`` or ``"batch"`` (subsets pooled over the batch).
+
+  Returns:
+    float32 [N, T] weights, with no gradient flowing through them.
+  """
+  check_option("aggregation mode", mode, MODES)
+  check_option("ba_denominator", ba_denominator, BA_DENOMINATORS)
+  check_option("ba_scope", ba_scope, BA_SCOPES)
+  mask_NxT = jnp.asarray(mask).astype(jnp.float32)
+  advantages_N = jnp.asarray(advantages).astype(jnp.float32)
+  _check_layout(mask_NxT, advantages_N, group_size)
+  n = mask_NxT.shape[0]
+  lengths_N = mask_NxT.sum(-1)
+
+  if mode == "token":
+    weights = mask_NxT * _safe_div(1.0, mask_NxT.sum())
+  elif mode == "sequence":
+    weights = mask_NxT * (_safe_div(1.0, lengths_N) / n)[:, None]
+  elif mode == "dr_grpo":
+    if max_response_len is None or max_response_len <= 0:
+      raise ValueError(
+          "mode 'dr_grpo' needs max_response_len, a positive int (the config's "
+          f"maximum response length); got {max_response_len!r}.")
+    weights = mask_NxT / (n * float(max_response_len))
+  else:
+    coef_N = _balanced_coefficients(
+        lengths_N, advantages_N, group_size=group_size,
+        ba_denominator=ba_denominator, ba_scope=ba_scope)
+    weights = mask_NxT * coef_N[:, None]
+  return jax.lax.stop_gradient(weights)
+
+
+def aggregate(values, mask, advantages, *, mode: str, group_size: int,
+              **options):
+  """``sum(token_weights(mask, advantages, ...) * values)``, a scalar."""
+  weights = token_weights(mask, advantages, mode=mode, group_size=group_size,
+                          **options)
+  return jnp.sum(weights * jnp.asarray(values, jnp.float32))
+
+
+def diagnostics(weights, mask, advantages, *, group_size: int) -> dict:
+  """What the aggregation rule does to positive and negative responses.
+
+  ``w_pos``/``w_neg`` are the total weights on the positive- and
+  negative-advantage sequences (additive over micro-batches);
+  ``pos_share = w_pos / (w_pos + w_neg)`` sits next to ``pos_frac``, the
+  fraction of positive sequences among those with a non-zero advantage; BA
+  makes the two equal whatever the lengths. ``length_cv`` is the within-group
+  coefficient of variation of response length (population std over mean,
+  averaged over groups with a non-zero mean); ``length_gap`` is the mean length
+  over positive sequences minus that over negative ones, and
+  ``length_gap_rel`` divides it by the mean length of those two subsets.
+  Undefined ratios (an empty subset) are reported as 0, never NaN.
+  """
+  mask_NxT = jnp.asarray(mask).astype(jnp.float32)
+  advantages_N = jnp.asarray(advantages).astype(jnp.float32)
+  _check_layout(mask_NxT, advantages_N, group_size)
+  lengths_N = mask_NxT.sum(-1)
+  pos_N = (advantages_N > 0).astype(jnp.float32)
+  neg_N = (advantages_N < 0).astype(jnp.float32)
+  seq_weight_N = jnp.sum(weights, axis=-1)
+  w_pos = jnp.sum(seq_weight_N * pos_N)
+  w_neg = jnp.sum(seq_weight_N * neg_N)
+  count_pos, count_neg = pos_N.sum(), neg_N.sum()
+
+  lengths_GxS = lengths_N.reshape(-1, group_size)
+  mean_g = lengths_GxS.mean(-1)
+  cv_g = _safe_div(lengths_GxS.std(-1), mean_g)
+  has_length = (mean_g > 0).astype(jnp.float32)
+  mean_len_pos = _safe_div(jnp.sum(lengths_N * pos_N), count_pos)
+  mean_len_neg = _safe_div(jnp.sum(lengths_N * neg_N), count_neg)
+  both = jnp.logical_and(count_pos > 0, count_neg > 0)
+  gap = jnp.where(both, mean_len_pos - mean_len_neg, 0.0)
+  return {
+      "w_pos": w_pos,
+      "w_neg": w_neg,
+      "pos_share": _safe_div(w_pos, w_pos + w_neg),
+      "pos_frac": _safe_div(count_pos, count_pos + count_neg),
+      "length_cv": _safe_div(jnp.sum(cv_g * has_length), has_length.sum()),
+      "length_gap": gap,
+      "length_gap_rel": jnp.where(
+          both, _safe_div(gap, 0.5 * (mean_len_pos + mean_len_neg)), 0.0),
+      "mean_len_pos": mean_len_pos,
+      "mean_len_neg": mean_len_neg,
+  }
