@@ -1,0 +1,357 @@
+"""One Flax NNX decoder for the Qwen2/Qwen2.5, Qwen3 and Llama families.
+
+The function equals `transformers`' PyTorch model on the same weights: RoPE
+(default, linear or llama3 scaling), grouped-query attention, SwiGLU, RMSNorm,
+q/k/v bias (Qwen2), q/k RMSNorm (Qwen3), tied or untied embeddings. Every
+parameter carries logical axis names in its `out_sharding` metadata (the name
+flax 0.12 gives to the `sharding=` metadata); `ba_jax.sharding` maps them to
+mesh axes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def _hashable(value: Any) -> Any:
+  if isinstance(value, (list, tuple)):
+    return tuple(_hashable(v) for v in value)
+  if isinstance(value, dict):
+    return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder hyperparameters; `from_hf_dict`/`to_hf_dict` convert config.json."""
+  model_type: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: tuple | None = None  # ((key, value), ...) incl. ("rope_type", ...)
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  attention_bias: bool = False  # q/k/v bias (always on for Qwen2)
+  qk_norm: bool = False  # Qwen3
+  max_position_embeddings: int = 32768
+  bos_token_id: int | None = None
+  eos_token_id: int | tuple | None = None
+  dtype: str = "float32"  # compute
+  param_dtype: str = "float32"
+  remat: bool = False
+
+  def __post_init__(self):
+    if self.model_type not in SUPPORTED_MODEL_TYPES:
+      raise ValueError(f"model_type={self.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+    rope_type = dict(self.rope_scaling or ()).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+      raise ValueError(f"rope_type={rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
+    for field in ("dtype", "param_dtype"):
+      try:
+        jnp.dtype(getattr(self, field))
+      except TypeError as e:
+        raise ValueError(f"{field}={getattr(self, field)!r} is not a dtype name (e.g. 'float32', 'bfloat16')") from e
+
+  @property
+  def out_bias(self) -> bool:
+    """o_proj bias: Llama and Qwen3 tie it to attention_bias; Qwen2 never has one."""
+    return self.attention_bias and self.model_type != "qwen2"
+
+  @classmethod
+  def from_hf_dict(cls, d: dict, **overrides) -> "ModelConfig":
+    """Builds a config from a transformers config.json dict (transformers 5 layout)."""
+    model_type = d.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+      raise ValueError(
+          f"unsupported architecture: model_type={model_type!r}, architectures={d.get('architectures')}; "
+          f"supported model types are {SUPPORTED_MODEL_TYPES} ({', '.join(ARCHITECTURES.values())})")
+    if d.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported; expected 'silu'")
+    if d.get("use_sliding_window", False):
+      raise ValueError("use_sliding_window=True is not supported; expected full attention in every layer")
+    if d.get("mlp_bias", False):
+      raise ValueError("mlp_bias=True is not supported; expected mlp_bias=False")
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+      raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']} is not supported; expected 1.0")
+    theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope.pop("type", None)
+    rope["rope_type"] = rope_type
+    heads = d["num_attention_heads"]
+    if model_type == "qwen2":
+      attention_bias = True
+    else:
+      attention_bias = bool(d.get("attention_bias", False))
+    kwargs = dict(
+        model_type=model_type, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads, rope_theta=float(theta),
+        rope_scaling=None if rope_type == "default" else _hashable(rope),
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias, qk_norm=model_type == "qwen3",
+        max_position_embeddings=d.get("max_position_embeddings", 32768),
+        bos_token_id=d.get("bos_token_id"), eos_token_id=_hashable(d.get("eos_token_id")))
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+  def to_hf_dict(self) -> dict:
+    """The transformers config.json dict for this config (what `from_hf_dict` reads back)."""
+    rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
+    rope.update({k: list(v) if isinstance(v, tuple) else v for k, v in (self.rope_scaling or ())})
+    d = {
+        "architectures": [ARCHITECTURES[self.model_type]], "model_type": self.model_type,
+        "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+        "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+        "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
+        "rope_parameters": rope, "tie_word_embeddings": self.tie_word_embeddings,
+        "max_position_embeddings": self.max_position_embeddings, "bos_token_id": self.bos_token_id,
+        "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+        "dtype": self.param_dtype, "use_cache": True,
+    }
+    if self.model_type == "qwen2":
+      d["use_sliding_window"] = False
+    else:
+      d["attention_bias"] = self.attention_bias
+    if self.model_type == "llama":
+      d["mlp_bias"] = False
+    return d
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Per-layer keys/values [B,S,num_kv_heads,head_dim]; mask [B,S]; index = next slot."""
+  k: tuple
+  v: tuple
+  mask: jax.Array
+  index: jax.Array
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
+  """An empty cache of `max_len` slots per row."""
+  dtype = jnp.dtype(dtype or config.dtype)
+  shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
+  zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+  return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+                 mask=jnp.zeros((batch_size, max_len), jnp.int32), index=jnp.zeros((), jnp.int32))
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+  """Inverse frequencies [head_dim/2] in float32, as transformers computes them."""
+  dim = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+  inv_freq = inv_freq.astype(np.float32)
+  scaling = dict(config.rope_scaling or ())
+  rope_type = scaling.get("rope_type", "default")
+  if rope_type == "linear":
+    inv_freq = inv_freq / np.float32(scaling["factor"])
+  elif rope_type == "llama3":
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = (2 * math.pi / inv_freq).astype(np.float32)
+    scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq).astype(np.float32)
+    smooth = ((old_len / wavelen - low) / (high - low)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    inv_freq = np.where(medium, smoothed, scaled)
+  return inv_freq.astype(np.float32)
+
+
+def _rotate_half(x):
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def apply_rope(x_BxLxHxD, cos_BxLxD, sin_BxLxD):
+  cos = cos_BxLxD[:, :, None, :].astype(x_BxLxHxD.dtype)
+  sin = sin_BxLxD[:, :, None, :].astype(x_BxLxHxD.dtype)
+  return x_BxLxHxD * cos + _rotate_half(x_BxLxHxD) * sin
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, init: str = "normal") -> nnx.Param:
+  if init == "normal":
+    value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
+  elif init == "ones":
+    value = jnp.ones(shape, jnp.float32)
+  else:
+    value = jnp.zeros(shape, jnp.float32)
+  return nnx.Param(value.astype(dtype), out_sharding=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, dtype, param_dtype, *, rngs: nnx.Rngs):
+    self.scale = _param(rngs, (dim,), ("norm",), param_dtype, "ones")
+    self.eps = eps
+    self.dtype = dtype
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(self.dtype) * x32.astype(self.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
+    pd, E, H, K, D = c.param_dtype, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    self.dtype = jnp.dtype(c.dtype)
+    self.q_proj = _param(rngs, (E, H, D), ("embed", "heads", "head_dim"), pd)
+    self.k_proj = _param(rngs, (E, K, D), ("embed", "kv_heads", "head_dim"), pd)
+    self.v_proj = _param(rngs, (E, K, D), ("embed", "kv_heads", "head_dim"), pd)
+    self.o_proj = _param(rngs, (H, D, E), ("heads", "head_dim", "embed"), pd)
+    bias = c.attention_bias
+    self.q_bias = _param(rngs, (H, D), ("heads", "head_dim"), pd, "zeros") if bias else None
+    self.k_bias = _param(rngs, (K, D), ("kv_heads", "head_dim"), pd, "zeros") if bias else None
+    self.v_bias = _param(rngs, (K, D), ("kv_heads", "head_dim"), pd, "zeros") if bias else None
+    self.o_bias = _param(rngs, (E,), ("embed",), pd, "zeros") if c.out_bias else None
+    self.q_norm = RMSNorm(D, c.rms_norm_eps, self.dtype, pd, rngs=rngs) if c.qk_norm else None
+    self.k_norm = RMSNorm(D, c.rms_norm_eps, self.dtype, pd, rngs=rngs) if c.qk_norm else None
+
+  def _project(self, x, kernel, bias):
+    y = jnp.einsum("ble,ehd->blhd", x, kernel[...].astype(self.dtype))
+    return y if bias is None else y + bias[...].astype(self.dtype)
+
+  def __call__(self, x_BxLxE, cos_BxLxD, sin_BxLxD, allowed_BxLxS, cache_kv=None, index=None):
+    q = self._project(x_BxLxE, self.q_proj, self.q_bias)
+    k = self._project(x_BxLxE, self.k_proj, self.k_bias)
+    v = self._project(x_BxLxE, self.v_proj, self.v_bias)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = apply_rope(q, cos_BxLxD, sin_BxLxD), apply_rope(k, cos_BxLxD, sin_BxLxD)
+    if cache_kv is not None:
+      cache_k, cache_v = cache_kv
+      start = (0, index, 0, 0)
+      k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), start)
+      v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start)
+      new_kv = (k, v)
+    else:
+      new_kv = None
+    B, L, H, D = q.shape
+    K = k.shape[2]
+    q_BxLxKxGxD = q.reshape(B, L, K, H // K, D)
+    scores = jnp.einsum("blkgd,bskd->bkgls", q_BxLxKxGxD, k.astype(self.dtype),
+                        preferred_element_type=jnp.float32) * (D ** -0.5)
+    scores = jnp.where(allowed_BxLxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    out = jnp.einsum("bkgls,bskd->blkgd", probs, v.astype(self.dtype)).reshape(B, L, H, D)
+    out = jnp.einsum("blhd,hde->ble", out, self.o_proj[...].astype(self.dtype))
+    if self.o_bias is not None:
+      out = out + self.o_bias[...].astype(self.dtype)
+    return out, new_kv
+
+
+class MLP(nnx.Module):
+  def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
+    E, M, pd = c.hidden_size, c.intermediate_size, c.param_dtype
+    self.dtype = jnp.dtype(c.dtype)
+    self.gate_proj = _param(rngs, (E, M), ("embed", "mlp"), pd)
+    self.up_proj = _param(rngs, (E, M), ("embed", "mlp"), pd)
+    self.down_proj = _param(rngs, (M, E), ("mlp", "embed"), pd)
+
+  def __call__(self, x_BxLxE):
+    dt = self.dtype
+    gate = x_BxLxE @ self.gate_proj[...].astype(dt)
+    up = x_BxLxE @ self.up_proj[...].astype(dt)
+    return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
+    dt = jnp.dtype(c.dtype)
+    self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, c.param_dtype, rngs=rngs)
+    self.self_attn = Attention(c, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, c.param_dtype, rngs=rngs)
+    self.mlp = MLP(c, rngs=rngs)
+
+  def __call__(self, x, cos, sin, allowed, cache_kv=None, index=None):
+    h, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, allowed, cache_kv, index)
+    x = x + h
+    return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+
+
+def _run_layer(layer, x, cos, sin, allowed, cache_kv, index):
+  return layer(x, cos, sin, allowed, cache_kv, index)
+
+
+class Decoder(nnx.Module):
+  """Causal LM: `model(ids_BxL, mask_BxL)` -> float32 logits [B,L,V]."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None):
+    rngs = rngs if rngs is not None else nnx.Rngs(0)
+    c = config
+    self.config = c
+    self.embed_tokens = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), c.param_dtype)
+    self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)])
+    self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, jnp.dtype(c.dtype), c.param_dtype, rngs=rngs)
+    self.lm_head = (None if c.tie_word_embeddings else
+                    _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), c.param_dtype))
+
+  def __call__(self, input_ids_BxL, attention_mask_BxL=None, *, positions_BxL=None, cache: KVCache | None = None,
+               attention_mask=None):
+    if attention_mask is not None:
+      if attention_mask_BxL is not None:
+        raise ValueError("pass the attention mask once, as attention_mask_BxL or attention_mask, not both")
+      attention_mask_BxL = attention_mask
+    c = self.config
+    dt = jnp.dtype(c.dtype)
+    input_ids_BxL = jnp.asarray(input_ids_BxL)
+    if input_ids_BxL.ndim != 2:
+      raise ValueError(f"input_ids must be [batch, length], got shape {input_ids_BxL.shape}")
+    B, L = input_ids_BxL.shape
+    mask_BxL = (jnp.ones((B, L), jnp.int32) if attention_mask_BxL is None
+                else jnp.asarray(attention_mask_BxL).astype(jnp.int32))
+    if mask_BxL.shape != (B, L):
+      raise ValueError(f"attention_mask shape {mask_BxL.shape} does not match input_ids shape {(B, L)}")
+    if cache is not None:
+      S = cache.mask.shape[1]
+      if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + L > S:
+        raise ValueError(f"cache overflow: index {int(cache.index)} + {L} new tokens > {S} cache slots")
+      new_mask_BxS = jax.lax.dynamic_update_slice(cache.mask, mask_BxL, (0, cache.index))
+      already_B = jnp.sum(cache.mask, axis=1)
+      slot_L = cache.index + jnp.arange(L)
+      allowed = (jnp.arange(S)[None, :] <= slot_L[:, None])[None] & (new_mask_BxS[:, None, :] == 1)
+    else:
+      already_B = jnp.zeros((B,), jnp.int32)
+      causal_LxL = jnp.tril(jnp.ones((L, L), bool))
+      allowed = causal_LxL[None] & (mask_BxL[:, None, :] == 1)
+    if positions_BxL is None:
+      positions_BxL = jnp.maximum(already_B[:, None] + jnp.cumsum(mask_BxL, axis=1) - 1, 0)
+    freqs = positions_BxL.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(c))[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+
+    x = self.embed_tokens[...][input_ids_BxL].astype(dt)
+    run = nnx.remat(_run_layer) if c.remat else _run_layer
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      kv = (cache.k[i], cache.v[i]) if cache is not None else None
+      x, kv = run(layer, x, cos, sin, allowed, kv, cache.index if cache is not None else None)
+      if cache is not None:
+        new_k.append(kv[0])
+        new_v.append(kv[1])
+    x = self.norm(x)
+    head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+    logits = jnp.einsum("ble,ev->blv", x, head.astype(dt), preferred_element_type=jnp.float32)
+    if cache is None:
+      return logits
+    return logits, KVCache(k=tuple(new_k), v=tuple(new_v), mask=new_mask_BxS, index=cache.index + L)
