@@ -1,0 +1,51 @@
+"""Evaluates a policy on math benchmarks: avg@k and pass@k, as JSON and a markdown table.
+
+    python -m ba_jax.evaluate --model=<HF dir or trainer workdir> \
+        --benchmarks=aime24,aime25,amc23,math500,minerva,olympiadbench \
+        --data_dir=<dir with aime24.jsonl, ...> --k=16 --output_dir=<dir>
+
+`--k` is the number of samples per problem (n); pass@1, 2, 4, ..., n are
+reported with the unbiased estimator, and avg@n. Logic: `ba_jax.eval_lib`.
+"""
+from absl import app, flags
+
+from ba_jax import eval_lib
+
+_MODEL = flags.DEFINE_string("model", None, "Hugging Face directory or trainer workdir.", required=True)
+_BENCHMARKS = flags.DEFINE_list("benchmarks", ["aime24", "aime25", "amc23", "math500", "minerva",
+                                               "olympiadbench"], "Benchmarks to run.")
+_DATA_DIR = flags.DEFINE_string("data_dir", None, "Directory holding <benchmark>.jsonl files "
+                                "(or a single file when one benchmark is given).", required=True)
+_K = flags.DEFINE_integer("k", 4, "Samples per problem.")
+_PASS_KS = flags.DEFINE_list("pass_ks", [], "pass@k values to report (default 1, 2, 4, ..., k).")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where results.json/.md go.", required=True)
+_RULE = flags.DEFINE_enum("rule", "boxed", ["boxed", "answer"], "Answer extraction rule.")
+_TEMPLATE = flags.DEFINE_enum("template", "boxed", ["boxed", "answer", "chat"], "Prompt template.")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 1024, "Response budget.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "Sampling temperature (0 = greedy).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 = off).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Prompts per sampler call.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a trainer workdir (default: latest).")
+_NUM_WORKERS = flags.DEFINE_integer("num_workers", 2, "Grader processes.")
+_GRADER_TIMEOUT = flags.DEFINE_float("grader_timeout_s", 10.0, "Seconds per graded response.")
+_LIMIT = flags.DEFINE_integer("limit", None, "Only the first N problems of each benchmark.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  settings = eval_lib.EvalSettings(
+      n_samples=_K.value, rule=_RULE.value, template=_TEMPLATE.value,
+      ks=tuple(int(k) for k in _PASS_KS.value) or None, grader_timeout_s=_GRADER_TIMEOUT.value)
+  results = eval_lib.run_evaluation(
+      _MODEL.value, _BENCHMARKS.value, _DATA_DIR.value, _OUTPUT_DIR.value, settings=settings,
+      max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
+      top_k=_TOP_K.value, batch_size=_BATCH_SIZE.value, seed=_SEED.value, step=_STEP.value,
+      num_workers=_NUM_WORKERS.value, limit=_LIMIT.value)
+  print(eval_lib.markdown_table(results))
+
+
+if __name__ == "__main__":
+  app.run(main)
