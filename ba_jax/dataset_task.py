@@ -1,0 +1,94 @@
+"""A dataset of math problems behind the trainer's task interface.
+
+The same interface as ``rollout.SyntheticTask`` (``problems``,
+``encode_prompts``, ``decode``, ``grade``, ``heldout``, ``pad_id``,
+``eos_id``), for the paper's settings: DAPO-Math-17k or Polaris-53K read by
+``ba_jax.data``, prompts formatted by ``data.format_prompt``, graded by
+``ba_jax.rewards.score_math``. Training problem ``i`` comes from a per-epoch
+permutation fixed by the seed, so the data position alone resumes the
+stream. Held-out problems are the config's evaluation benchmarks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ba_jax import data as data_lib
+
+LOADERS = ("dapo_math", "polaris")
+
+
+def _load(task_cfg):
+  if task_cfg.name == "dapo_math":
+    return data_lib.load_dapo_math(task_cfg.path)
+  if task_cfg.name == "polaris":
+    return data_lib.load_polaris(task_cfg.path,
+                                 min_difficulty=task_cfg.min_difficulty,
+                                 max_difficulty=task_cfg.max_difficulty)
+  raise ValueError(f"task.name={task_cfg.name!r}: expected 'synthetic_sum' or "
+                   f"one of {list(LOADERS)}")
+
+
+class DatasetTask:
+
+  def __init__(self, task_cfg, eval_cfg, *, seed: int, tokenizer,
+               max_prompt_len: int):
+    self.cfg, self.seed, self.tokenizer = task_cfg, seed, tokenizer
+    self.max_prompt_len = max_prompt_len
+    tokenizer.padding_side = "left"
+    self.pad_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                   else tokenizer.eos_token_id)
+    self.eos_id = tokenizer.eos_token_id
+    examples = _load(task_cfg)
+    fits = [len(ids) <= max_prompt_len for ids in tokenizer(
+        [self._format(e) for e in examples], add_special_tokens=False
+    )["input_ids"]]
+    self.examples = [e for e, ok in zip(examples, fits) if ok]
+    self.dropped_long_prompts = len(examples) - len(self.examples)
+    if not self.examples:
+      raise ValueError(f"no prompt of {task_cfg.path} fits task.max_prompt_len="
+                       f"{max_prompt_len} tokens")
+    self.heldout = []
+    names = [b for b in str(eval_cfg.get("benchmarks", "")).split(",") if b]
+    for name in names:
+      bench = data_lib.load_eval_set(name, eval_cfg.data_dir)
+      n = eval_cfg.num_problems or len(bench)
+      self.heldout.extend(bench[:n])
+    self._orders: dict[int, np.ndarray] = {}
+
+  def _format(self, example) -> str:
+    return data_lib.format_prompt(example, self.cfg.template, self.tokenizer,
+                                  chat_rule=self.cfg.rule)
+
+  def _order(self, epoch: int) -> np.ndarray:
+    if epoch not in self._orders:
+      self._orders = {epoch: np.random.default_rng(
+          [self.seed, epoch]).permutation(len(self.examples))}
+    return self._orders[epoch]
+
+  def problems(self, start: int, n: int, stream: int = 0):
+    if stream:
+      raise ValueError("dataset tasks have no supervised warm-up data; set "
+                       "sft.steps=0")
+    size = len(self.examples)
+    return [self.examples[self._order(i // size)[i % size]]
+            for i in range(start, start + n)]
+
+  def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
+    enc = self.tokenizer([self._format(p) for p in problems],
+                         padding="max_length", max_length=self.max_prompt_len,
+                         truncation=True, add_special_tokens=False,
+                         return_tensors="np")
+    return (enc["input_ids"].astype(np.int32),
+            enc["attention_mask"].astype(np.int32))
+
+  def decode(self, tokens_NxT, mask_NxT) -> list[str]:
+    return [self.tokenizer.decode(row[m.astype(bool)], skip_special_tokens=True)
+            for row, m in zip(np.asarray(tokens_NxT), np.asarray(mask_NxT))]
+
+  def grade(self, texts, problems) -> tuple[np.ndarray, np.ndarray]:
+    from ba_jax import rewards
+    out = rewards.score_math(texts, [p.answer for p in problems],
+                             rule=self.cfg.rule,
+                             correct_score=self.cfg.correct_score,
+                             incorrect_score=self.cfg.incorrect_score)
+    return out.scores.astype(np.float32), out.correct.astype(bool)

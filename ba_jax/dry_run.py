@@ -1,0 +1,454 @@
+"""Compile a config's train step and sampler without weights; report memory and FLOPs.
+
+    python -m ba_jax.dry_run --config=configs/qwen25_math_7b_dapo17k.py \\
+        --num_cpu_devices=8 --one_update \\
+        --config.mesh.data=1 --config.mesh.fsdp=4 --config.mesh.tensor=2
+
+``dry_run(config)`` builds the mesh, the model and the TrainState abstractly
+(``nnx.eval_shape``: no parameter is ever allocated), then lowers and compiles
+the trainer's own jitted train step and the sampler's jitted program on
+``jax.ShapeDtypeStruct`` inputs that carry their shardings, and reports per
+device the bytes of ``compiled.memory_analysis()`` and the FLOPs of
+``compiled.cost_analysis()``, next to analytic FLOP estimates.
+
+- Memory is per device on the mesh printed. ``peak`` = arguments + outputs -
+  aliased (the donated state) + temporaries + generated code. On CPU it is
+  XLA:CPU's buffer assignment: an estimate for an accelerator.
+- XLA counts a loop's body once: the micro-batch ``lax.scan`` of the train
+  step and the decode ``while_loop`` of the sampler. The analytic figures are
+  given for the whole program and "as XLA counts" (one micro-batch per
+  update; the prefill and one decode step) to compare with XLA's.
+- Analytic FLOPs: 2 x matmul parameters per token and pass (forward 1 pass,
+  backward 2, remat 1 more), plus attention as this model computes it (the
+  full L x S score matrix, no causal skipping).
+- ``one_update=True`` compiles a single mini-batch update (one of
+  ``ppo_epochs x num_minibatches``, same rows and micro-batches) instead of
+  the whole step, which XLA unrolls: compile time drops by that factor. FLOPs
+  are then scaled up and the full batch's argument bytes added; temporaries
+  are one update's, which updates run in sequence and reuse.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import errors as flax_errors
+from flax import nnx
+
+from ba_jax import checkpointing
+from ba_jax import model as model_lib
+from ba_jax import sampler as sampler_lib
+from ba_jax import sharding as sharding_lib
+from ba_jax import train_step as ts
+from ba_jax import trainer
+
+MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
+# LLVM's optimisation level changes neither XLA's buffer assignment (memory)
+# nor its HLO (FLOPs); lowering it halves the CPU compile time.
+CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
+                        "xla_llvm_disable_expensive_passes": True}
+
+
+def config_rules(config) -> tuple:
+  """The config's sharding rules as hashable tuples (flags give lists)."""
+  return tuple((name, tuple(axes) if isinstance(axes, list) else axes)
+               for name, axes in config.sharding_rules)
+
+
+def batch_shards(mesh, rules) -> int:
+  """How many devices the "batch" logical axis is split over."""
+  spec = sharding_lib.logical_to_spec(mesh, rules, ("batch",))[0]
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def model_config_from(config) -> model_lib.ModelConfig:
+  fields = dict(config.model)
+  known = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
+  unknown = sorted(set(fields) - known)
+  if unknown:
+    raise ValueError(f"config.model has fields {unknown} that ModelConfig "
+                     f"does not take; expected some of {sorted(known)}")
+  return model_lib.ModelConfig(**fields)
+
+
+def param_counts(abstract_params, c: model_lib.ModelConfig) -> dict:
+  """All parameters, and those in matmuls (the LM head counted, the
+  embedding lookup not; with tied embeddings the table is the head)."""
+  total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
+  E, H, K, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+  per_layer = 2 * E * H * D + 2 * E * K * D + 3 * E * c.intermediate_size
+  return {"total": total,
+          "matmul": c.num_layers * per_layer + E * c.vocab_size}
+
+
+def analytic_flops(c: model_lib.ModelConfig, matmul_params: int, *,
+                   rows: int, prompts: int, prompt_len: int,
+                   response_len: int, ppo_epochs: int,
+                   micro_batches: int, prompt_bucket: int | None = None
+                   ) -> dict:
+  """FLOPs of one train step and one sampling call, whole mesh.
+
+  Train: every row goes ``ppo_epochs`` times forward and backward over
+  L = P + T tokens. Sampling: a prefill of the B prompts (padded to
+  ``prompt_bucket`` tokens, default P, into a cache of S = bucket + T - 1
+  slots), then T - 1 decode steps of all N = B * G rows, each attending
+  over the whole cache.
+  """
+  attn = 4 * c.num_layers * c.num_heads * c.head_dim  # x queries x keys
+  L = prompt_len + response_len
+  passes = 4 if c.remat else 3
+  train = passes * rows * ppo_epochs * (2 * matmul_params * L + attn * L * L)
+  bucket = prompt_bucket or prompt_len
+  S = bucket + response_len - 1
+  prefill = prompts * bucket * (2 * matmul_params + attn * S)
+  decode_step = rows * (2 * matmul_params + attn * S)
+  return {
+      "train_step": float(train),
+      "train_step_xla_counts": float(train / micro_batches),
+      "train_6ND": float(6 * matmul_params * rows * L * ppo_epochs),
+      "sample": float(prefill + (response_len - 1) * decode_step),
+      "sample_xla_counts": float(prefill + decode_step),
+      "sample_2ND": float(2 * matmul_params
+                          * (prompts * bucket + rows * response_len)),
+  }
+
+
+def _memory(compiled) -> dict:
+  m = compiled.memory_analysis()
+  out = {f: int(getattr(m, f"{f}_size_in_bytes", 0) or 0)
+         for f in MEMORY_FIELDS}
+  out["peak"] = (out["argument"] + out["output"] - out["alias"] + out["temp"]
+                 + out["generated_code"])
+  return out
+
+
+def _flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+    cost = cost[0] if cost else {}
+  return float((cost or {}).get("flops", float("nan")))
+
+
+def _compile(lowered, platform: str) -> dict:
+  t0 = time.perf_counter()
+  compiled = lowered.compile(
+      compiler_options=CPU_COMPILER_OPTIONS if platform == "cpu" else None)
+  return dict(memory=_memory(compiled), flops_per_device=_flops(compiled),
+              compile_s=round(time.perf_counter() - t0, 1))
+
+
+def _abstract_batch(rows: int, prompt_len: int, response_len: int, mesh,
+                    rules, with_ref: bool) -> dict:
+  shapes = dict(prompt_ids=((rows, prompt_len), jnp.int32),
+                prompt_mask=((rows, prompt_len), jnp.int32),
+                response_ids=((rows, response_len), jnp.int32),
+                response_mask=((rows, response_len), jnp.int32),
+                advantages=((rows,), jnp.float32),
+                old_logp=((rows, response_len), jnp.float32))
+  if with_ref:
+    shapes["ref_logp"] = ((rows, response_len), jnp.float32)
+  return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=(
+      sharding_lib.data_sharding(mesh, rules, len(shape))))
+          for name, (shape, dtype) in shapes.items()}
+
+
+def _bytes_per_device(tree) -> int:
+  return sum(int(np.prod(x.sharding.shard_shape(x.shape)))
+             * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def dry_run(config, *, devices=None, sample: bool = True,
+            one_update: bool = False) -> dict:
+  """Compiles one train step (and the sampler) of ``config`` abstractly.
+
+  Args:
+    config: a trainer config (``configs/*.py``); ``config.mesh`` must fit
+      ``devices``. Shapes: ``rl.prompts_per_step * rl.group_size`` rows of
+      ``task.max_prompt_len`` prompt and ``rl.max_new_tokens`` response
+      tokens.
+    devices: the devices of the mesh (default: all).
+    sample: also compile the sampler's program for one step's prompts (and
+      the trainer's scoring program when the config recomputes old
+      log-probs or has a KL term).
+    one_update: compile one mini-batch update instead of the whole step
+      (see the module docstring).
+  Returns:
+    A JSON-able dict: mesh, shapes, parameter counts, analytic FLOPs, notes,
+    and per program the per-device memory (bytes), XLA FLOPs per device and
+    compile seconds.
+  """
+  try:
+    mesh = sharding_lib.make_mesh(dict(config.mesh), devices)
+  except ValueError as e:
+    raise ValueError(f"{e}; set config.mesh to fit, e.g. --config.mesh.data=1 "
+                     "--config.mesh.fsdp=4 --config.mesh.tensor=2 on 8 "
+                     "devices") from None
+  platform = mesh.devices.flat[0].platform
+  rules = config_rules(config)
+  rl = config.rl
+  step_cfg = trainer.step_config(config)
+  B, G, T = rl.prompts_per_step, rl.group_size, rl.max_new_tokens
+  N, P = B * G, config.task.max_prompt_len
+  shards = batch_shards(mesh, rules)
+  step_cfg.check_batch(N, shards)
+  model_config = model_config_from(config)
+  graphdef, abstract_params = nnx.split(nnx.eval_shape(
+      lambda: model_lib.Decoder(model_config, rngs=nnx.Rngs(0))))
+  optim = config.optim
+  tx = ts.make_optimizer(
+      learning_rate=optim.learning_rate, warmup_steps=optim.warmup_steps,
+      total_steps=rl.steps * rl.ppo_epochs * rl.num_minibatches,
+      schedule=optim.schedule, end_lr_frac=optim.end_lr_frac,
+      weight_decay=optim.weight_decay, b1=optim.b1, b2=optim.b2,
+      eps=optim.eps, grad_clip=optim.grad_clip)
+  shapes = jax.eval_shape(lambda p: ts.create_state(p, tx), abstract_params)
+  state_sharding = ts.tree_shardings(shapes, mesh, rules)
+  state_in = checkpointing.abstract_like(shapes, state_sharding)
+  with_ref = config.loss.kl_coef > 0
+  batch_in = _abstract_batch(N, P, T, mesh, rules, with_ref)
+
+  counts = param_counts(abstract_params, model_config)
+  report = {
+      "platform": platform,
+      "devices": mesh.size,
+      "mesh": {k: int(v) for k, v in mesh.shape.items()},
+      "batch_shards": shards,
+      "shapes": dict(prompts=B, group_size=G, rows=N, prompt_len=P,
+                     response_len=T, ppo_epochs=rl.ppo_epochs,
+                     num_minibatches=rl.num_minibatches,
+                     num_microbatches=rl.num_microbatches,
+                     micro_batch_rows=N // (rl.num_minibatches
+                                            * rl.num_microbatches)),
+      "model": dict(model_type=model_config.model_type,
+                    params=counts["total"], matmul_params=counts["matmul"],
+                    remat=model_config.remat, dtype=model_config.dtype,
+                    param_dtype=model_config.param_dtype),
+      "analytic_flops": analytic_flops(
+          model_config, counts["matmul"], rows=N, prompts=B, prompt_len=P,
+          response_len=T, ppo_epochs=rl.ppo_epochs,
+          micro_batches=rl.num_microbatches,
+          prompt_bucket=sampler_lib.bucket_length(P)),
+      "notes": _notes(model_config, P, T, platform),
+  }
+
+  report["train_step"] = _dry_run_train(
+      step_cfg, graphdef, tx, state_in, state_sharding, batch_in,
+      one_update=one_update, shapes=(P, T, mesh, rules, with_ref),
+      platform=platform)
+  if sample:
+    report["sample"] = _dry_run_sampler(config, graphdef, state_in.params,
+                                        mesh, rules, platform)
+    if rl.old_logp == "recompute" or with_ref:
+      report["score"] = _dry_run_score(config, graphdef, state_in.params,
+                                       batch_in, platform)
+  return report
+
+
+def _notes(c: model_lib.ModelConfig, prompt_len: int, response_len: int,
+           platform: str) -> list[str]:
+  notes = []
+  if prompt_len + response_len > c.max_position_embeddings:
+    notes.append(f"prompt_len + response_len = {prompt_len + response_len} "
+                 f"exceeds model.max_position_embeddings = "
+                 f"{c.max_position_embeddings}")
+  if platform == "cpu" and "bfloat16" in (c.dtype, c.param_dtype):
+    notes.append("XLA:CPU computes bfloat16 element-wise ops in float32, "
+                 "so its temporaries for them (optimizer update, "
+                 "softmax) are up to twice an accelerator's")
+  return notes
+
+
+def _dry_run_train(step_cfg, graphdef, tx, state_in, state_sharding,
+                   batch_in, *, one_update, shapes, platform) -> dict:
+  """Compiles the trainer's jitted step (or one of its updates)."""
+  updates = step_cfg.ppo_epochs * step_cfg.num_minibatches
+  compiled_cfg, step_batch = step_cfg, batch_in
+  if one_update and updates > 1:
+    compiled_cfg = dataclasses.replace(step_cfg, ppo_epochs=1,
+                                       num_minibatches=1)
+    rows = batch_in["advantages"].shape[0] // step_cfg.num_minibatches
+    step_batch = _abstract_batch(rows, *shapes)
+  step_fn = ts.jit_train_step(
+      graphdef=graphdef, tx=tx, cfg=compiled_cfg,
+      state_sharding=state_sharding,
+      batch_sharding={k: v.sharding for k, v in step_batch.items()})
+  out = _compile(step_fn.lower(state_in, step_batch), platform)
+  out["updates_compiled"] = (compiled_cfg.ppo_epochs
+                             * compiled_cfg.num_minibatches)
+  if out["updates_compiled"] != updates:
+    extra = _bytes_per_device(batch_in) - _bytes_per_device(step_batch)
+    out["one_update_memory"] = dict(out["memory"])
+    out["memory"]["argument"] += extra
+    out["memory"]["peak"] += extra
+    out["flops_per_device"] *= updates / out["updates_compiled"]
+  return out
+
+
+def _dry_run_sampler(config, graphdef, params_in, mesh, rules, platform):
+  """Lowers the sampler's jitted program (``sampler._sample_jit``).
+
+  ``sample_groups`` checks its prompts on the host and calls that program
+  itself, so it cannot take abstract inputs; this lowers the same program
+  with the static arguments ``sample_groups`` would pass.
+  """
+  rl = config.rl
+  prompts = rl.prompts_per_step
+  bucket = sampler_lib.bucket_length(config.task.max_prompt_len)
+  greedy = rl.temperature == 0
+  loop_cfg = sampler_lib._LoopConfig(  # pylint: disable=protected-access
+      int(rl.group_size), int(rl.max_new_tokens), 0, greedy,
+      0 if greedy else int(rl.top_k), 1.0 if greedy else float(rl.top_p))
+  ids = jax.ShapeDtypeStruct((prompts, bucket), jnp.int32, sharding=(
+      sharding_lib.logical_sharding(mesh, rules, ("batch", None),
+                                    shape=(prompts, bucket))))
+  lower = lambda graphdef: sampler_lib._sample_jit.lower(  # pylint: disable=protected-access
+      graphdef, params_in, ids, ids, jax.eval_shape(lambda: jax.random.key(0)),
+      jax.ShapeDtypeStruct((), jnp.float32),
+      jax.ShapeDtypeStruct((1,), jnp.int32), cfg=loop_cfg,
+      mesh_rules=(mesh, rules))
+  note = None
+  try:
+    lowered = lower(graphdef)
+  except flax_errors.TraceContextError:
+    # nnx.remat inside the decode loop fails to trace; remat does nothing
+    # without a backward pass, so the program is the same without it.
+    model_config = model_config_from(config)
+    if not model_config.remat:
+      raise
+    note = ("sample: sampler._sample_jit fails to trace with model.remat="
+            "True (flax TraceContextError: nnx.remat in the decode loop); "
+            "compiled with remat off, which computes the same")
+    lowered = lower(nnx.graphdef(nnx.eval_shape(lambda: model_lib.Decoder(
+        dataclasses.replace(model_config, remat=False)))))
+  out = _compile(lowered, platform)
+  out["prompt_bucket"] = bucket
+  if note:
+    out["note"] = note
+  return out
+
+
+def _dry_run_score(config, graphdef, params_in, batch_in, platform):
+  """The trainer's scoring program (old or reference log-probs)."""
+  fn = jax.jit(functools.partial(
+      trainer._score_fn, graphdef=graphdef,  # pylint: disable=protected-access
+      temperature=config.rl.temperature))
+  keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+  return _compile(fn.lower(params_in, {k: batch_in[k] for k in keys}),
+                  platform)
+
+
+PROGRAMS = ("train_step", "sample", "score")
+
+
+def _bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if abs(n) < 1024:
+      return f"{n:.4g} {unit}"
+    n /= 1024
+  return f"{n:,.1f} TiB"
+
+
+def _count(n: float) -> str:
+  for unit in ("", "K", "M"):
+    if n < 1000:
+      return f"{n:.4g}{unit}"
+    n /= 1000
+  return f"{n:.4g}B"
+
+
+def format_report(report: dict) -> str:
+  """The report as a readable table."""
+  s, m = report["shapes"], report["model"]
+  mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
+  lines = [
+      f"mesh: {mesh} = {report['devices']} {report['platform']} devices; "
+      f"batch split over {report['batch_shards']}",
+      f"model: {m['model_type']}, {_count(m['params'])} parameters "
+      f"({_count(m['matmul_params'])} in matmuls), params "
+      f"{m['param_dtype']}, compute {m['dtype']}, remat {m['remat']}",
+      f"shapes: {s['prompts']} prompts x {s['group_size']} = {s['rows']} "
+      f"rows; prompt {s['prompt_len']} + response {s['response_len']} "
+      f"tokens; {s['ppo_epochs']} epoch(s) x {s['num_minibatches']} "
+      f"mini-batches x {s['num_microbatches']} micro-batches of "
+      f"{s['micro_batch_rows']} rows",
+  ]
+  lines += [f"note: {n}" for n in report["notes"]]
+  lines += [f"note: {report[p]['note']}" for p in PROGRAMS
+            if "note" in report.get(p, {})]
+  programs = [p for p in PROGRAMS if p in report]
+  lines.append("")
+  lines.append(f"{'per device':<26}" + "".join(f"{p:>16}" for p in programs))
+  for field in MEMORY_FIELDS + ("peak",):
+    lines.append(f"{field:<26}" + "".join(
+        f"{_bytes(report[p]['memory'][field]):>16}" for p in programs))
+  lines.append(f"{'FLOPs (XLA)':<26}" + "".join(
+      f"{report[p]['flops_per_device']:>16.3e}" for p in programs))
+  lines.append(f"{'compile (s)':<26}" + "".join(
+      f"{report[p]['compile_s']:>16}" for p in programs))
+  n = report["devices"]
+  a = {k: v / n for k, v in report["analytic_flops"].items()}
+  lines += [
+      "",
+      "analytic FLOPs per device (whole mesh / devices):",
+      f"  train step {a['train_step']:.3e} (6ND {a['train_6ND']:.3e}); "
+      f"as XLA counts (one micro-batch per update) "
+      f"{a['train_step_xla_counts']:.3e}",
+      f"  sampling   {a['sample']:.3e} (2ND {a['sample_2ND']:.3e}); "
+      f"as XLA counts (prefill + one decode step) "
+      f"{a['sample_xla_counts']:.3e}",
+  ]
+  train = report["train_step"]
+  if "one_update_memory" in train:
+    lines.append(f"train_step: compiled {train['updates_compiled']} of "
+                 f"{s['ppo_epochs'] * s['num_minibatches']} updates; "
+                 "FLOPs scaled, full batch added to the arguments")
+  return "\n".join(lines)
+
+
+def _main():
+  """``python -m ba_jax.dry_run``: flags only (defined here, not on import,
+  so ``ba_jax.train`` can import this module next to its own flags)."""
+  import json
+
+  from absl import app, flags, logging
+  from ml_collections import config_flags
+
+  config = config_flags.DEFINE_config_file(
+      "config", None, "ml_collections config file", lock_config=True)
+  cpu_devices = flags.DEFINE_integer(
+      "num_cpu_devices", 0, "fake this many CPU devices (0: leave JAX's "
+      "default); the same as XLA_FLAGS=--xla_force_host_platform_device_count")
+  one_update = flags.DEFINE_bool(
+      "one_update", False, "compile one mini-batch update, not the whole "
+      "step (faster; FLOPs scaled, see ba_jax/dry_run.py)")
+  sample = flags.DEFINE_bool("sample", True, "also compile the sampler")
+  json_out = flags.DEFINE_string("json_out", None, "write the report here")
+
+  def main(argv):
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if config.value is None:
+      raise app.UsageError("--config=configs/<file>.py is required")
+    if cpu_devices.value:
+      jax.config.update("jax_num_cpu_devices", cpu_devices.value)
+    report = dry_run(config.value, sample=sample.value,
+                     one_update=one_update.value)
+    print(format_report(report))
+    text = json.dumps(report, indent=1)
+    if json_out.value:
+      with open(json_out.value, "w") as f:
+        f.write(text + "\n")
+    else:
+      print(text)
+
+  app.run(main)
+
+
+if __name__ == "__main__":
+  _main()

@@ -1,0 +1,167 @@
+"""Step metrics: rollout statistics, and the writers (console, TensorBoard,
+``metrics.jsonl``).
+
+Device metrics are fetched one step behind: ``MetricsLogger.push`` keeps the
+step's device arrays and writes the previous step's, so the host never waits
+for the device just to log.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def rollout_stats(rewards_N, correct_N, advantages_N, mask_NxT, truncated_N,
+                  group_size: int) -> dict[str, float]:
+  """Reward, accuracy and the length diagnostics of DESIGN.md section 1."""
+  rewards_N = np.asarray(rewards_N, np.float64)
+  lengths_N = np.asarray(mask_NxT).sum(-1).astype(np.float64)
+  adv_N = np.asarray(advantages_N, np.float64)
+  lengths_GxS = lengths_N.reshape(-1, group_size)
+  means_G = lengths_GxS.mean(-1)
+  cv_G = np.where(means_G > 0, lengths_GxS.std(-1) / np.maximum(means_G, 1e-9),
+                  0.0)
+  pos, neg = adv_N > 0, adv_N < 0
+  stats = {
+      "reward_mean": rewards_N.mean(),
+      "reward_std": rewards_N.std(),
+      "accuracy": float(np.mean(correct_N)),
+      "length_mean": lengths_N.mean(),
+      "length_max": lengths_N.max(),
+      "length_cv_in_group": cv_G.mean(),
+      "truncated_frac": float(np.mean(truncated_N)),
+      "pos_frac": float(pos.sum() / max(pos.sum() + neg.sum(), 1)),
+      "groups_mixed_frac": float(np.mean(
+          rewards_N.reshape(-1, group_size).std(-1) > 0)),
+  }
+  if pos.any() and neg.any():
+    gap = lengths_N[pos].mean() - lengths_N[neg].mean()
+    stats["length_gap_pos_neg"] = gap
+    stats["length_gap_rel"] = gap / max(lengths_N[pos | neg].mean(), 1e-9)
+  else:  # no signed pair this step: NaN, not a misleading 0
+    stats["length_gap_pos_neg"] = stats["length_gap_rel"] = float("nan")
+  return {k: float(v) for k, v in stats.items()}
+
+
+def weight_shares(device_metrics: dict[str, float]) -> dict[str, float]:
+  """The positive share W+ / (W+ + W-) from the loss metrics."""
+  w_pos, w_neg = device_metrics.get("w_pos"), device_metrics.get("w_neg")
+  if w_pos is None or w_neg is None:
+    return {}
+  total = w_pos + w_neg
+  return {"w_pos_share": w_pos / total if total > 0 else float("nan")}
+
+
+def _jsonable(value: float) -> Any:
+  return value if math.isfinite(value) else None
+
+
+class MetricsLogger:
+  """Writes one record per step to the console, TensorBoard and jsonl."""
+
+  def __init__(self, workdir: str, *, total_steps: int, first_step: int = 0,
+               tensorboard: bool = True, progress_bar: bool = True,
+               enabled: bool = True):
+    self.enabled, self.workdir = enabled, workdir
+    self._pending: tuple[int, Any, dict] | None = None
+    self.history: list[dict] = []
+    self.on_record = None  # called with each record after it is written
+    self._tb = self._bar = None
+    if not enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    if tensorboard:
+      import tensorboardX
+      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
+    if progress_bar:
+      import tqdm
+      self._bar = tqdm.tqdm(total=total_steps, initial=first_step,
+                            desc="GRPO", dynamic_ncols=True, file=sys.stdout)
+
+  def push(self, step: int, device_metrics: Any, host_metrics: dict) -> None:
+    """Queues this step's metrics and writes the previous step's."""
+    self.flush()
+    self._pending = (step, device_metrics, host_metrics)
+
+  def flush(self) -> None:
+    if self._pending is None:
+      return
+    step, device_metrics, host_metrics = self._pending
+    self._pending = None
+    fetched = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+    record = dict(step=step, **host_metrics, **fetched,
+                  **weight_shares(fetched))
+    self.write(record)
+    if self.on_record is not None:
+      self.on_record(record)
+
+  def write(self, record: dict) -> None:
+    self.history.append(record)
+    if not self.enabled:
+      return
+    step = record["step"]
+    self._jsonl.write(json.dumps(
+        {k: _jsonable(v) if isinstance(v, float) else v
+         for k, v in record.items()}) + "\n")
+    self._jsonl.flush()
+    if self._tb is not None:
+      for name, value in record.items():
+        if (isinstance(value, (int, float)) and name != "step"
+            and math.isfinite(value)):
+          self._tb.add_scalar(name, value, step)
+    if self._bar is not None and "reward_mean" in record:
+      self._bar.n = step
+      self._bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
+                            acc=f"{record.get('accuracy', 0.0):.2f}",
+                            len=f"{record.get('length_mean', 0.0):.1f}",
+                            refresh=False)
+      self._bar.refresh()
+
+  def write_eval(self, step: int, accuracy: dict) -> None:
+    """Held-out accuracy at ``step`` (0: before RL) to ``eval.jsonl`` (one
+    record per evaluation, so metrics.jsonl keeps one record per step) and
+    TensorBoard."""
+    if not self.enabled or not accuracy:
+      return
+    with open(os.path.join(self.workdir, "eval.jsonl"), "a") as f:
+      f.write(json.dumps({"step": step, **accuracy}) + "\n")
+    if self._tb is not None:
+      for name, value in accuracy.items():
+        self._tb.add_scalar(f"eval/{name}", value, step)
+
+  def log_text(self, message: str) -> None:
+    if not self.enabled:
+      return
+    if self._bar is not None:
+      self._bar.write(message)
+    else:
+      print(message, flush=True)
+
+  def close(self) -> None:
+    self.flush()
+    if not self.enabled:
+      return
+    self._jsonl.close()
+    if self._tb is not None:
+      self._tb.close()
+    if self._bar is not None:
+      self._bar.close()
+
+
+def read_metrics(workdir: str) -> dict[int, dict]:
+  """The last record per step of ``workdir/metrics.jsonl`` (a resumed run
+  rewrites the steps after its checkpoint)."""
+  out: dict[int, dict] = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      record = json.loads(line)
+      if "step" in record and isinstance(record["step"], int):
+        out[record["step"]] = record
+  return out

@@ -1,0 +1,236 @@
+"""``ba_jax.dry_run``: abstract compilation of the train step and the sampler.
+
+The figures are checked against what they must be: the donated TrainState
+(parameters and two AdamW moments) is the argument and the alias, XLA's FLOP
+count matches the analytic one, and a 7.6B-parameter config compiles in a
+process that never holds its weights.
+"""
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+
+import jax
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from ba_jax import dry_run
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STATE_COPIES = 3  # parameters + AdamW mu + nu, all in param_dtype
+
+
+def load(spec: str):
+  argv = ["prog", f"--config={ROOT / spec}"]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=values,
+                                  lock_config=False, sys_argv=argv)
+  values(argv)
+  return values.config
+
+
+@pytest.fixture(scope="module")
+def tiny_report():
+  return dry_run.dry_run(load("configs/tiny.py"))
+
+
+def _batch_bytes_per_device(report) -> int:
+  s = report["shapes"]
+  rows = s["rows"] // report["batch_shards"]
+  # int32 prompt ids/mask, int32 response ids/mask, float32 old_logp and
+  # advantages.
+  return 4 * rows * (2 * s["prompt_len"] + 3 * s["response_len"] + 1)
+
+
+def test_tiny_memory_is_the_state_plus_the_batch(tiny_report):
+  r = tiny_report
+  assert r["devices"] == 8 and r["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+  mem = r["train_step"]["memory"]
+  # float32 parameters, replicated on a pure data-parallel mesh.
+  state = STATE_COPIES * 4 * r["model"]["params"]
+  scalars = 64  # step, nonfinite, optax counts: a few int32 scalars
+  assert state <= mem["alias"] <= state + scalars  # the donated state
+  assert state <= mem["output"] <= state + scalars + 1024  # + metrics
+  expected_args = state + _batch_bytes_per_device(r)
+  assert expected_args <= mem["argument"] <= expected_args + scalars
+  assert mem["temp"] > 0
+  assert mem["peak"] == (mem["argument"] + mem["output"] - mem["alias"]
+                         + mem["temp"] + mem["generated_code"])
+  sample = r["sample"]["memory"]
+  assert sample["argument"] >= 4 * r["model"]["params"]  # the parameters
+  assert sample["temp"] > 0 and sample["output"] > 0
+
+
+def test_tiny_flops_match_the_analytic_estimate(tiny_report):
+  """XLA's count and ours agree to within the element-wise work (softmax,
+  norms, the optimizer) that the analytic count leaves out."""
+  r = tiny_report
+  analytic = r["analytic_flops"]
+  for program, key in (("train_step", "train_step_xla_counts"),
+                       ("sample", "sample_xla_counts")):
+    ratio = r[program]["flops_per_device"] / (analytic[key] / r["devices"])
+    assert 0.5 < ratio < 2.0, (program, ratio)
+  assert analytic["train_step"] > analytic["train_6ND"]  # attention on top
+  assert analytic["sample"] > analytic["sample_xla_counts"]
+
+
+def test_one_update_extrapolates_the_whole_step(tiny_report):
+  one = dry_run.dry_run(load("configs/tiny.py"), sample=False,
+                        one_update=True)
+  full = tiny_report["train_step"]
+  assert one["train_step"]["updates_compiled"] == 1
+  assert full["updates_compiled"] == 2
+  # Same per-update work; only the metric reductions differ.
+  ratio = one["train_step"]["flops_per_device"] / full["flops_per_device"]
+  assert abs(ratio - 1) < 0.02
+  assert one["train_step"]["memory"]["argument"] == full["memory"]["argument"]
+
+
+def test_recompute_and_kl_compile_the_scoring_program():
+  config = load("configs/tiny.py")
+  config.rl.old_logp, config.loss.kl_coef = "recompute", 0.1
+  r = dry_run.dry_run(config, one_update=True)
+  score = r["score"]
+  assert score["memory"]["argument"] > 4 * r["model"]["params"]
+  assert score["memory"]["temp"] > 0
+  # One forward pass: the train step's analytic count without remat is
+  # three of them.
+  forward = r["analytic_flops"]["train_step"] / 3 / r["devices"]
+  assert 0.5 < score["flops_per_device"] / forward < 2.0
+
+
+def test_mesh_override_shards_the_state():
+  config = load("configs/tiny.py")
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
+  r = dry_run.dry_run(config, sample=False, one_update=True)
+  assert r["batch_shards"] == 4
+  state = STATE_COPIES * 4 * r["model"]["params"]
+  alias = r["train_step"]["memory"]["alias"]
+  # fsdp x tensor = 4-way sharding of every matrix; norms stay replicated.
+  assert state / 4 <= alias < state / 2
+
+
+def test_bad_config_errors_name_the_value():
+  config = load("configs/tiny.py")
+  config.mesh.fsdp = 3
+  with pytest.raises(ValueError, match="fsdp"):
+    dry_run.dry_run(config, sample=False)
+  config = load("configs/tiny.py")
+  config.model.unknown_field = 1
+  with pytest.raises(ValueError, match="unknown_field"):
+    dry_run.dry_run(config, sample=False)
+
+
+@pytest.mark.slow
+def test_7b_config_compiles_without_its_weights():
+  """Qwen2.5-Math-7B's shapes (15 GB of bfloat16 weights, 46 GB with AdamW)
+  compile on this machine; no array of the embedding's size is ever
+  created, and the process stays far below the weights' size."""
+  config = load("configs/qwen25_math_7b_dapo17k.py")
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 4, 2
+  config.task.max_prompt_len, config.rl.max_new_tokens = 8, 8
+  config.rl.prompts_per_step, config.rl.group_size = 4, 2
+  config.rl.num_minibatches, config.rl.num_microbatches = 1, 1
+  live_before = sum(x.nbytes for x in jax.live_arrays())
+  r = dry_run.dry_run(config, sample=False)
+  params = r["model"]["params"]
+  assert abs(params / 7.6e9 - 1) < 0.03
+  weight_bytes = 2 * params
+  # bfloat16 state split 8 ways (fsdp 4 x tensor 2); norms and the 4 kv
+  # heads' biases do not divide and stay replicated.
+  alias = r["train_step"]["memory"]["alias"]
+  assert STATE_COPIES * weight_bytes / 8 <= alias
+  assert alias < 1.01 * STATE_COPIES * weight_bytes / 8
+  assert any("bfloat16" in note for note in r["notes"])
+  assert sum(x.nbytes for x in jax.live_arrays()) - live_before < 2**20
+  max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  assert max_rss < weight_bytes / 2, max_rss
+
+
+def test_command_line(tmp_path):
+  out = tmp_path / "report.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(
+      [sys.executable, "-m", "ba_jax.dry_run",
+       "--config=configs/tiny.py:smoke", "--config.rl.max_new_tokens=24",
+       "--num_cpu_devices=8", "--config.mesh.fsdp=2", "--nosample",
+       f"--json_out={out}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert report["devices"] == 8
+  assert report["mesh"] == {"data": 4, "fsdp": 2, "tensor": 1}
+  assert report["shapes"]["response_len"] == 24
+  assert "sample" not in report
+  assert "per device" in proc.stdout and "train_step" in proc.stdout
+
+
+LAUNCH = ROOT / "experiments" / "launch"
+
+
+@pytest.mark.parametrize("script", ["tpu_pod.sh", "multi_gpu.sh"])
+def test_launch_scripts_parse(script):
+  subprocess.run(["bash", "-n", str(LAUNCH / script)], check=True)
+
+
+def _dry(script, **env):
+  proc = subprocess.run(["bash", str(LAUNCH / script), "--config.rl.steps=2"],
+                        env=dict(os.environ, DRY="1", **env),
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr
+  return proc.stdout.strip().splitlines()
+
+
+def test_multi_gpu_script_prints_one_command_per_process():
+  lines = _dry("multi_gpu.sh", MODE="multi", NUM_GPUS="4",
+               GPUS_PER_PROCESS="2", CONFIG="configs/tiny.py",
+               WORKDIR="/tmp/run", PORT="1234")
+  assert len(lines) == 2
+  for i, line in enumerate(lines):
+    assert f"--process_id={i}" in line and "--num_processes=2" in line
+    assert "--coordinator_address=127.0.0.1:1234" in line
+    assert "--config.rl.steps=2" in line
+  assert "CUDA_VISIBLE_DEVICES=0\\,1" in lines[0]
+  assert "CUDA_VISIBLE_DEVICES=2\\,3" in lines[1]
+  single = _dry("multi_gpu.sh", CONFIG="configs/tiny.py", WORKDIR="/tmp/run")
+  assert single == ["python3 -m ba_jax.train --config=configs/tiny.py "
+                    "--workdir=/tmp/run --config.rl.steps=2"]
+
+
+def test_multi_gpu_script_rejects_a_bad_mode():
+  proc = subprocess.run(["bash", str(LAUNCH / "multi_gpu.sh")],
+                        env=dict(os.environ, MODE="pods", CONFIG="c",
+                                 WORKDIR="w"),
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2 and "MODE=pods" in proc.stderr
+
+
+def test_tpu_script_runs_the_same_command_on_every_worker():
+  (line,) = _dry("tpu_pod.sh", TPU_NAME="pod", CONFIG="configs/tiny.py",
+                 WORKDIR="gs://bucket/run")
+  assert line.startswith("gcloud compute tpus tpu-vm ssh pod --worker=all")
+  assert "BA_JAX_DISTRIBUTED=1" in line and "ba_jax.train" in line
+  assert "--coordinator_address" not in line
+
+
+def test_multi_gpu_script_stops_every_process_when_one_fails(tmp_path):
+  """A stand-in for python: process 1 fails after a second, process 0 would
+  run for a minute; the script must exit non-zero long before that."""
+  fake = tmp_path / "fake_python"
+  fake.write_text("#!/usr/bin/env bash\n"
+                  "echo \"args: $*\"\n"
+                  "case \"$*\" in *--process_id=1*) sleep 1; exit 3;; esac\n"
+                  "sleep 60\n")
+  fake.chmod(0o755)
+  proc = subprocess.run(
+      ["bash", str(LAUNCH / "multi_gpu.sh")],
+      env=dict(os.environ, MODE="multi", NUM_GPUS="2", PYTHON=str(fake),
+               CONFIG="configs/tiny.py", WORKDIR=str(tmp_path / "run")),
+      capture_output=True, text=True, timeout=30)
+  assert proc.returncode == 1, (proc.stdout, proc.stderr)
+  assert "a process failed" in proc.stderr
+  log0 = (tmp_path / "run" / "logs" / "process_0.log").read_text()
+  assert "--process_id=0" in log0 and "127.0.0.1:29500" in log0

@@ -1,0 +1,130 @@
+"""The pure update: sharded equals single-device, no retrace, exact
+micro-batching, non-finite updates skipped, bad options rejected."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ba_jax import model as model_lib
+from ba_jax import sharding as sharding_lib
+from ba_jax import train_step as ts
+import trainer_utils as tu
+
+RULES = sharding_lib.DEFAULT_RULES
+
+
+def _setup(mesh, *, cfg, lr=1e-3, eps=1e-8):
+  """State materialised on ``mesh``, the jitted step, batch placement."""
+  model_cfg = tu.tiny_model_config()
+  model = sharding_lib.create_sharded(
+      lambda: model_lib.Decoder(model_cfg, rngs=nnx.Rngs(0)), mesh, RULES)
+  graphdef, params = nnx.split(model)
+  tx = ts.make_optimizer(learning_rate=lr, warmup_steps=0, total_steps=4,
+                         eps=eps)
+  shapes = jax.eval_shape(lambda p: ts.create_state(p, tx), params)
+  state_sharding = ts.tree_shardings(shapes, mesh, RULES)
+  state = jax.jit(lambda p: ts.create_state(p, tx),
+                  out_shardings=state_sharding)(params)
+  step = ts.jit_train_step(graphdef=graphdef, tx=tx, cfg=cfg,
+                           state_sharding=state_sharding)
+  place = lambda b: {k: jax.device_put(
+      v, sharding_lib.data_sharding(mesh, RULES, np.ndim(v)))
+                     for k, v in b.items()}
+  return state, step, place
+
+
+def test_sharded_step_equals_single_device_step():
+  cfg = ts.StepConfig(group_size=4, aggregation="balanced", eps_high=0.28,
+                      num_minibatches=2, num_microbatches=1)
+  batch = tu.rollout_batch(0, n=16)
+  mesh8 = sharding_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  mesh1 = sharding_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1},
+                                 devices=jax.devices()[:1])
+  results = []
+  for mesh in (mesh8, mesh1):
+    state, step, place = _setup(mesh, cfg=cfg)
+    state, metrics = step(state, place(batch))
+    results.append((tu.host_params(state), jax.device_get(metrics), state))
+  (p8, m8, s8), (p1, m1, _) = results
+  # The parameters really are split over the 8 devices.
+  embed = s8.params["embed_tokens"].get_value()
+  assert len({d.id for d in embed.sharding.device_set}) == 8
+  assert embed.addressable_shards[0].data.shape == (16, 16)
+  # Two AdamW updates of lr 1e-3: a parameter moves by up to 2e-3; sums in
+  # another order change the gradient by ~1e-7 relative, which the update
+  # carries through at most lr * (relative change) = 1e-6 in each step.
+  assert tu.max_abs_diff(p8, p1) < 1e-5
+  assert tu.max_abs_diff(tu.host_params(results[1][2]), p1) == 0.0
+  moved = tu.max_abs_diff(p1, tu.host_params(_setup(mesh1, cfg=cfg)[0]))
+  assert moved > 1e-4  # the step did something to compare
+  for name in ("loss", "grad_norm", "w_pos", "w_neg", "entropy"):
+    np.testing.assert_allclose(m8[name], m1[name], rtol=1e-5, atol=1e-6)
+
+
+def test_step_compiles_once_across_batches():
+  mesh = sharding_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+  model_cfg = tu.tiny_model_config()
+  graphdef, params = nnx.split(model_lib.Decoder(model_cfg, rngs=nnx.Rngs(0)))
+  tx = ts.make_optimizer(learning_rate=1e-3, warmup_steps=1, total_steps=3)
+  cfg = ts.StepConfig(group_size=4)
+
+  @chex.assert_max_traces(n=1)
+  def step_fn(state, batch):
+    return ts.train_step(state, batch, graphdef=graphdef, tx=tx, cfg=cfg)
+
+  step = jax.jit(step_fn, donate_argnums=0)
+  state = ts.create_state(params, tx)
+  for seed in range(3):
+    state, _ = step(state, tu.rollout_batch(seed, n=16))
+  assert int(state.step) == 3
+  chex.clear_trace_counter()
+
+
+@pytest.mark.parametrize("mode", ["token"])  # every mode: test_microbatch.py
+def test_micro_batches_give_the_same_update(mode):
+  mesh = sharding_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1},
+                                devices=jax.devices()[:1])
+  batch = tu.rollout_batch(3, n=16)
+  params = []
+  for k in (1, 4):
+    cfg = ts.StepConfig(group_size=4, aggregation=mode, num_microbatches=k)
+    state, step, place = _setup(mesh, cfg=cfg, eps=1e-3)
+    state, metrics = step(state, place(batch))
+    params.append(tu.host_params(state))
+    assert int(metrics["nonfinite"]) == 0
+  # eps=1e-3 keeps Adam's first update Lipschitz in the gradient (lr/eps = 1),
+  # so float32 summation-order noise (~1e-7) stays ~1e-7 in the parameters.
+  assert tu.max_abs_diff(*params) < 1e-6
+
+
+def test_non_finite_update_is_skipped_and_counted():
+  mesh = sharding_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1},
+                                devices=jax.devices()[:1])
+  cfg = ts.StepConfig(group_size=4, num_minibatches=2)
+  state, step, place = _setup(mesh, cfg=cfg)
+  before = tu.host_params(state)
+  batch = tu.rollout_batch(4, n=16)
+  batch["advantages"][:8] = np.nan  # first mini-batch only
+  state, metrics = step(state, place(batch))
+  assert int(metrics["nonfinite"]) == 1 and int(state.nonfinite) == 1
+  after = tu.host_params(state)
+  assert all(np.isfinite(p).all() for p in after)
+  assert tu.max_abs_diff(before, after) > 0  # the second update applied
+
+
+def test_bad_options_fail_with_clear_messages():
+  with pytest.raises(ValueError, match="'tokne'"):
+    ts.StepConfig(group_size=4, aggregation="tokne")
+  with pytest.raises(ValueError, match="num_minibatches=3"):
+    ts.StepConfig(group_size=4, num_minibatches=3).check_batch(16)
+  with pytest.raises(ValueError, match="num_microbatches=3"):
+    ts.StepConfig(group_size=4, num_microbatches=3).check_batch(16)
+  with pytest.raises(ValueError, match="8 devices"):
+    ts.StepConfig(group_size=4, num_minibatches=2).check_batch(8, 8)
+  with pytest.raises(ValueError, match="temperature"):
+    ts.StepConfig(group_size=4, temperature=0.0)
+  with pytest.raises(ValueError, match="cosin"):
+    ts.make_optimizer(learning_rate=1e-3, warmup_steps=0, total_steps=4,
+                      schedule="cosin")

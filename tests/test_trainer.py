@@ -1,0 +1,123 @@
+"""The training job end to end, and the errors it raises before running."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from ba_jax import metrics as metrics_lib, trainer
+import trainer_utils as tu
+
+
+@pytest.mark.slow
+def test_smoke_config_runs_end_to_end(tmp_path):
+  """configs/tiny.py:smoke from the command line: warm-up, GRPO, eval."""
+  workdir = tmp_path / "smoke"
+  out = tu.run_module(["ba_jax.train", "--config=configs/tiny.py:smoke",
+                       f"--workdir={workdir}"])
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  assert "held-out accuracy before RL" in out.stdout
+  assert "held-out accuracy, before -> after RL" in out.stdout
+  records = metrics_lib.read_metrics(str(workdir))
+  assert sorted(records) == [1, 2, 3]
+  for record in records.values():
+    assert record["length_mean"] > 0 and record["sampled_tokens"] > 0
+    assert 0.0 <= record["accuracy"] <= 1.0
+    assert np.isfinite(record["grad_norm"]) and record["nonfinite"] == 0
+    for key in ("w_pos", "w_neg", "clip_frac_low", "entropy", "param_norm",
+                "update_norm", "length_cv_in_group", "time_sampling",
+                "time_rewards", "time_training", "tokens_per_s"):
+      assert key in record, key
+  evals = [json.loads(l) for l in (workdir / "eval.jsonl").read_text().split(
+      "\n") if l]
+  assert [e["step"] for e in evals] == [0, 3]  # before and after RL
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["after_rl"] == {k: v for k, v in evals[1].items()
+                                 if k != "step"}
+  assert set(summary["after_rl"]) == {"heldout_acc_sampled",
+                                      "heldout_acc_greedy"}
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "3"]  # keep=2
+  assert os.listdir(workdir / "tb")  # TensorBoard event file written
+
+
+def test_unknown_config_key_is_an_error_naming_it(tmp_path):
+  out = tu.run_module(["ba_jax.train", "--config=configs/tiny.py:smoke",
+                       f"--workdir={tmp_path}", "--config.rl.stpes=3"],
+                      timeout=120)
+  assert out.returncode != 0
+  assert "stpes" in out.stderr
+  assert not os.listdir(tmp_path)  # nothing ran
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"loss.aggregation": "tokenmean"}, "'tokenmean'"),
+    ({"rl.prompts_per_step": 3}, "num_minibatches=2"),
+    ({"rl.prompts_per_step": 1, "rl.num_minibatches": 1},
+     "8 devices of the batch mesh axes"),
+    ({"rl.old_logp": "policy"}, "rl.old_logp='policy'"),
+    ({"rl.overlong": "cut"}, "rl.overlong='cut'"),
+    ({"mesh.fsdp": 3}, "does not divide"),
+    ({"rl.max_new_tokens": 8}, "rl.max_new_tokens=8"),
+])
+def test_bad_config_fails_before_anything_runs(tmp_path, overrides, message):
+  config = tu.smoke_config(**overrides)
+  with pytest.raises(ValueError, match=message):
+    trainer.run(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_non_finite_updates_in_a_row_stop_the_run(tmp_path):
+  """A NaN learning rate makes every update non-finite: each is skipped and
+  counted, and rl.max_nonfinite of them in a row stop the run with the
+  step-0 checkpoint intact."""
+  config = tu.smoke_config(**{
+      "sft.steps": 0, "rl.steps": 6, "rl.num_minibatches": 1,
+      "rl.max_nonfinite": 2, "optim.learning_rate": float("nan"),
+      "log.tensorboard": False, "checkpoint.every": 0})
+  out = trainer.run(config, str(tmp_path))
+  assert out["stopped"] == "nonfinite"
+  assert out["step"] < 6
+  records = metrics_lib.read_metrics(str(tmp_path))
+  assert [records[s]["nonfinite"] for s in (1, 2)] == [1.0, 1.0]
+  assert int(out["state"].nonfinite) == out["step"]
+  from ba_jax import checkpointing
+  assert checkpointing.Checkpointer(str(tmp_path)).all_steps() == [0]
+  start = tu.host_params(trainer.init_params(trainer.make_setup(config)))
+  assert tu.max_abs_diff(tu.host_params(out["state"]), start) == 0.0
+
+
+def test_dataset_task_streams_formats_and_grades():
+  """The dataset task behind the paper configs, on the bundled fixtures."""
+  import ml_collections
+  from ba_jax import dataset_task
+  fixtures = os.path.join(tu.REPO, "tests", "fixtures")
+  task_cfg = ml_collections.ConfigDict(dict(
+      name="polaris", path=os.path.join(fixtures, "polaris.jsonl"),
+      min_difficulty=None, max_difficulty=0.875, template="boxed",
+      rule="boxed", correct_score=1.0, incorrect_score=-1.0))
+  eval_cfg = ml_collections.ConfigDict(dict(
+      benchmarks="aime24,math500", data_dir=os.path.join(fixtures, "eval"),
+      num_problems=2))
+  task = dataset_task.DatasetTask(task_cfg, eval_cfg, seed=0,
+                                  tokenizer=tu.char_tokenizer(),
+                                  max_prompt_len=160)
+  n = len(task.examples)
+  assert n >= 2  # the 8/8 row is over max_difficulty=0.875: dropped
+  assert not any("binom{6}{2}" in e.problem for e in task.examples)
+  epoch = task.problems(0, n)
+  assert sorted(map(id, epoch)) == sorted(map(id, task.examples))
+  assert task.problems(n, 3) == task.problems(n, 5)[:3]  # next epoch
+  assert task.problems(2, 3) == epoch[2:5]
+  assert len(task.heldout) == 4
+  ids, mask = task.encode_prompts(epoch[:2])
+  assert ids.shape == mask.shape == (2, 160)
+  assert mask[:, -1].all() and not mask[:, 0].any()  # left-padded
+  text = task.tokenizer.decode(ids[0][mask[0] == 1])
+  assert text.startswith(epoch[0].problem) and "\\boxed{}" in text
+  p = epoch[0]
+  rewards, correct = task.grade([f"so \\boxed{{{p.answer}}}", "no idea"],
+                                [p, p])
+  assert rewards.tolist() == [1.0, -1.0] and correct.tolist() == [True, False]
+  with pytest.raises(ValueError, match="sft.steps=0"):
+    task.problems(0, 1, stream=1)
