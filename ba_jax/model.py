@@ -140,7 +140,11 @@ class ModelConfig:
 
 @flax.struct.dataclass
 class KVCache:
-  """Per-layer keys/values [B,S,num_kv_heads,head_dim]; mask [B,S]; index = next slot."""
+  """Per-layer keys/values [B,num_kv_heads,S,head_dim]; mask [B,S]; index = next slot.
+
+  The kv-head axis comes before the sequence axis so a decode step's attention
+  reads each head's keys/values contiguously (no per-step copy of the cache).
+  """
   k: tuple
   v: tuple
   mask: jax.Array
@@ -150,7 +154,7 @@ class KVCache:
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
   """An empty cache of `max_len` slots per row."""
   dtype = jnp.dtype(dtype or config.dtype)
-  shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
+  shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
   zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
   return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
                  mask=jnp.zeros((batch_size, max_len), jnp.int32), index=jnp.zeros((), jnp.int32))
@@ -239,21 +243,23 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = apply_rope(q, cos_BxLxD, sin_BxLxD), apply_rope(k, cos_BxLxD, sin_BxLxD)
     if cache_kv is not None:
+      # The cache is [B,K,S,D]: write the new [B,L,K,D] keys/values as [B,K,L,D].
       cache_k, cache_v = cache_kv
-      start = (0, index, 0, 0)
-      k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), start)
-      v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start)
+      start = (0, 0, index, 0)
+      k = jax.lax.dynamic_update_slice(cache_k, k.transpose(0, 2, 1, 3).astype(cache_k.dtype), start)
+      v = jax.lax.dynamic_update_slice(cache_v, v.transpose(0, 2, 1, 3).astype(cache_v.dtype), start)
       new_kv = (k, v)
+      kv_axes, K = "bksd", k.shape[1]
     else:
       new_kv = None
+      kv_axes, K = "bskd", k.shape[2]
     B, L, H, D = q.shape
-    K = k.shape[2]
     q_BxLxKxGxD = q.reshape(B, L, K, H // K, D)
-    scores = jnp.einsum("blkgd,bskd->bkgls", q_BxLxKxGxD, k.astype(self.dtype),
+    scores = jnp.einsum(f"blkgd,{kv_axes}->bkgls", q_BxLxKxGxD, k.astype(self.dtype),
                         preferred_element_type=jnp.float32) * (D ** -0.5)
     scores = jnp.where(allowed_BxLxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-    out = jnp.einsum("bkgls,bskd->blkgd", probs, v.astype(self.dtype)).reshape(B, L, H, D)
+    out = jnp.einsum(f"bkgls,{kv_axes}->blkgd", probs, v.astype(self.dtype)).reshape(B, L, H, D)
     out = jnp.einsum("blhd,hde->ble", out, self.o_proj[...].astype(self.dtype))
     if self.o_bias is not None:
       out = out + self.o_bias[...].astype(self.dtype)

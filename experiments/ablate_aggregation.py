@@ -69,7 +69,8 @@ def warmup_and_export(config, variant, seed, outdir, overrides, threads):
   return export_dir
 
 
-def rl_run(config, variant, mode, seed, init_dir, outdir, overrides, threads):
+def rl_run(config, variant, mode, seed, init_dir, outdir, overrides, threads,
+           eval_every):
   workdir = outdir / "runs" / f"{mode}_s{seed}"
   if not (workdir / "summary.json").exists():
     workdir.mkdir(parents=True, exist_ok=True)
@@ -78,6 +79,7 @@ def rl_run(config, variant, mode, seed, init_dir, outdir, overrides, threads):
     _run(_train_cmd(config, spec_variant, workdir,
                     [f"--config.seed={seed}", f"--config.init_from={init_dir}",
                      "--config.sft.steps=0", "--config.log.progress_bar=False",
+                     f"--config.eval.every={eval_every}",
                      *overrides]), workdir / "log.txt", threads)
   return summarise(workdir, mode, seed)
 
@@ -112,6 +114,11 @@ def summarise(workdir: pathlib.Path, mode: str, seed: int) -> dict:
     values = [v for v in series(key) if v is not None]
     return float(np.mean(values)) if values else float("nan")
   reward = [v for v in series("reward_mean") if v is not None]
+  evals = _read_jsonl(workdir / "eval.jsonl")
+  curves = {key: (series("step"), series(key)) for key, _ in CURVES
+            if key != "heldout_acc_sampled"}
+  curves["heldout_acc_sampled"] = ([r["step"] for r in evals],
+                                   [r["heldout_acc_sampled"] for r in evals])
   return {
       "mode": mode, "seed": seed, "workdir": str(workdir),
       "steps": len(records),
@@ -127,8 +134,7 @@ def summarise(workdir: pathlib.Path, mode: str, seed: int) -> dict:
       "length_mean": nanmean("length_mean"),
       "length_cv_mean": nanmean("length_cv_in_group"),
       "length_gap_mean": nanmean("length_gap_pos_neg"),
-      "curves": {key: series(key) for key, _ in CURVES},
-      "curve_steps": series("step"),
+      "curves": curves,
   }
 
 
@@ -179,10 +185,9 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
       rs = [r for r in rows if r["mode"] == mode]
       if not rs:
         continue
-      steps = rs[0]["curve_steps"]
-      values = np.array([[np.nan if v is None else v for v in r["curves"][key]]
-                         for r in rs if len(r["curves"][key]) == len(steps)],
-                        float)
+      steps = rs[0]["curves"][key][0]
+      values = np.array([[np.nan if v is None else v for v in r["curves"][key][1]]
+                         for r in rs if r["curves"][key][0] == steps], float)
       if not values.size or np.all(np.isnan(values)):
         continue
       valid = ~np.all(np.isnan(values), axis=0)
@@ -210,6 +215,8 @@ def main(argv=None):
   parser.add_argument("--seeds", type=int, default=3)
   parser.add_argument("--parallel", type=int, default=2)
   parser.add_argument("--outdir", default="experiments/results/ablation")
+  parser.add_argument("--eval_every", type=int, default=10,
+                      help="held-out evaluation every this many RL steps")
   parser.add_argument("--override", action="append", default=[],
                       help="extra --config.key=value for every run")
   args = parser.parse_args(argv)
@@ -230,7 +237,8 @@ def main(argv=None):
     jobs = [(m, s) for s in range(args.seeds) for m in modes]
     rows = list(pool.map(
         lambda job: rl_run(args.config, args.variant, job[0], job[1],
-                           inits[job[1]], outdir, args.override, threads),
+                           inits[job[1]], outdir, args.override, threads,
+                           args.eval_every),
         jobs))
   with open(outdir / "results.jsonl", "w") as f:
     for row in rows:
