@@ -347,7 +347,8 @@ class Decoder(nnx.Module):
     cos, sin = jnp.cos(emb), jnp.sin(emb)
 
     x = self.embed_tokens[...][input_ids_BxL].astype(dt)
-    run = nnx.remat(_run_layer) if c.remat else _run_layer
+    # Remat only pays in a backward pass; the cached (sampling) path has none.
+    run = nnx.remat(_run_layer) if c.remat and cache is None else _run_layer
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       kv = (cache.k[i], cache.v[i]) if cache is not None else None

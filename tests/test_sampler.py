@@ -271,3 +271,13 @@ def test_empty_prompt_row_is_an_error(ours):
   mask[2] = 0
   with pytest.raises(ValueError, match=r"prompt rows \[2\]"):
     _sample(ours, ids, mask)
+
+
+def test_remat_model_samples_like_the_plain_one(checkpoint, ours):
+  """The paper configs set remat; sampling must still run and agree."""
+  remat = hf.load_pretrained(checkpoint, remat=True)[0]
+  ids, mask = _prompts()
+  want = _sample(ours, ids, mask)
+  got = _sample(remat, ids, mask)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=LOGP_TOL)
