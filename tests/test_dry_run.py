@@ -168,6 +168,18 @@ def test_command_line(tmp_path):
   assert "per device" in proc.stdout and "train_step" in proc.stdout
 
 
+def test_trainer_dry_run_flag():
+  """`python -m ba_jax.train --dry_run` compiles, reports and writes nothing."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  proc = subprocess.run(
+      [sys.executable, "-m", "ba_jax.train", "--config=configs/tiny.py:smoke",
+       "--config.mesh.fsdp=2", "--dry_run", "--dry_run_one_update"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "data 4 x fsdp 2 x tensor 1 = 8" in proc.stdout
+  assert "train_step" in proc.stdout and "sample" in proc.stdout
+
+
 LAUNCH = ROOT / "experiments" / "launch"
 
 
