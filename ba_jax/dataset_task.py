@@ -14,12 +14,12 @@ import numpy as np
 
 from ba_jax import data as data_lib
 
-LOADERS = ("dapo_math", "polaris")
+LOADERS = ("dapo_math17k", "polaris")
 
 
 def _load(task_cfg):
-  if task_cfg.name == "dapo_math":
-    return data_lib.load_dapo_math(task_cfg.path)
+  if task_cfg.name == "dapo_math17k":
+    return data_lib.load_dapo_math(task_cfg.path, dedup=task_cfg.dedup)
   if task_cfg.name == "polaris":
     return data_lib.load_polaris(task_cfg.path,
                                  min_difficulty=task_cfg.min_difficulty,

@@ -121,3 +121,45 @@ def test_dataset_task_streams_formats_and_grades():
   assert rewards.tolist() == [1.0, -1.0] and correct.tolist() == [True, False]
   with pytest.raises(ValueError, match="sft.steps=0"):
     task.problems(0, 1, stream=1)
+
+
+@pytest.mark.parametrize("config_file,data", [
+    ("qwen25_math_7b_dapo17k.py", "dapo"), ("qwen3_1p7b_polaris.py", "polaris")])
+def test_paper_config_task_sections_drive_the_dataset_task(tmp_path,
+                                                           config_file, data):
+  """The paper configs' own task and eval sections, pointed at fixtures."""
+  import importlib.util
+  import json
+
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  from ba_jax import dataset_task
+  fixtures = os.path.join(tu.REPO, "tests", "fixtures")
+  spec = importlib.util.spec_from_file_location(
+      "paper_config", os.path.join(tu.REPO, "configs", config_file))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  if data == "dapo":
+    with open(os.path.join(fixtures, "dapo_math_rows.json")) as f:
+      rows = json.load(f)
+    path = str(tmp_path / "dapo.parquet")
+    pq.write_table(pa.Table.from_pylist(rows + rows), path)  # duplicated
+  else:
+    path = os.path.join(fixtures, "polaris.jsonl")
+  config.task.path = path
+  config.eval.data_dir = os.path.join(fixtures, "eval")
+  config.eval.num_problems = 1
+  task = dataset_task.DatasetTask(config.task, config.eval, seed=0,
+                                  tokenizer=tu.char_tokenizer(),
+                                  max_prompt_len=1024)
+  if data == "dapo":
+    assert len(task.examples) == len(rows)  # deduplicated
+  assert len(task.heldout) == 6  # one problem of each of the six benchmarks
+  p = task.problems(0, 1)[0]
+  answer = (f"Answer: {p.answer}" if config.task.rule == "answer"
+            else f"\\boxed{{{p.answer}}}")
+  rewards, correct = task.grade([answer, "no idea"], [p, p])
+  assert rewards.tolist() == [config.task.correct_score,
+                              config.task.incorrect_score]
+  assert correct.tolist() == [True, False]
