@@ -149,7 +149,8 @@ def _set_path(tree: dict, path: tuple, value):
 
 
 def load_pretrained(path, *, dtype: str = "float32", param_dtype: str | None = None, mesh=None, rules=None,
-                    remat: bool = False) -> tuple[Decoder, ModelConfig]:
+                    remat: bool = False, attention_impl: str = "full",
+                    attention_block: int = 512) -> tuple[Decoder, ModelConfig]:
   """Loads a HF checkpoint directory. `param_dtype` defaults to the checkpoint's own dtype."""
   path = pathlib.Path(path)
   hf_config = read_config(path)
@@ -157,7 +158,8 @@ def load_pretrained(path, *, dtype: str = "float32", param_dtype: str | None = N
   reader = _TensorReader(files)
   if param_dtype is None:
     param_dtype = str(reader.get("model.embed_tokens.weight").dtype)
-  config = ModelConfig.from_hf_dict(hf_config, dtype=dtype, param_dtype=param_dtype, remat=remat)
+  config = ModelConfig.from_hf_dict(hf_config, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                    attention_impl=attention_impl, attention_block=attention_block)
   abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   shardings = None

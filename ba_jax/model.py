@@ -21,6 +21,7 @@ from flax import nnx
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ATTENTION_IMPLS = ("full", "blockwise")
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
 
@@ -55,8 +56,17 @@ class ModelConfig:
   dtype: str = "float32"  # compute
   param_dtype: str = "float32"
   remat: bool = False
+  # How the uncached forward computes attention, not what the model is: kept out of config.json and
+  # of ==/hash, so a config read back from config.json equals the one it was written from. The
+  # modules keep them as static attributes, so jitted models of either kind still trace apart.
+  attention_impl: str = dataclasses.field(default="full", compare=False)  # "full" | "blockwise"
+  attention_block: int = dataclasses.field(default=512, compare=False)  # blockwise tile (queries, keys)
 
   def __post_init__(self):
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl={self.attention_impl!r} is not supported; expected one of {ATTENTION_IMPLS}")
+    if not isinstance(self.attention_block, int) or self.attention_block < 1:
+      raise ValueError(f"attention_block={self.attention_block!r}; expected a positive int (tokens per tile)")
     if self.model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(f"model_type={self.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
     if self.num_heads % self.num_kv_heads:
@@ -215,10 +225,69 @@ class RMSNorm(nnx.Module):
     return self.scale[...].astype(self.dtype) * x32.astype(self.dtype)
 
 
+def blockwise_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, block: int):
+  """Causal grouped-query attention tile by tile with an online softmax (flash-attention style).
+
+  Computes what the "full" path computes: keys after the query or with mask 0 get no weight, and
+  a query that may see no key at all (left padding) gets the mean of all L values, as a softmax
+  over a row of equal masked scores gives. Max and sum run in float32. L is padded up to a multiple
+  of the tile (padded keys are masked, padded queries dropped); tiles above the diagonal are
+  skipped. Both loops are checkpointed, so no more than one query tile's running state and one
+  [B,H,tile,tile] score tile are live in the forward or the backward pass.
+  """
+  B, L, H, D = q_BxLxHxD.shape
+  K = k_BxLxKxD.shape[2]
+  G, dt, f32 = H // K, q_BxLxHxD.dtype, jnp.float32
+  T = min(block, L)
+  n = -(-L // T)
+
+  def tiles(x):  # [B,L,...] -> [n,B,T,...]
+    x = jnp.pad(x, [(0, 0), (0, n * T - L)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(B, n, T, *x.shape[2:]), 1, 0)
+
+  q_tiles = tiles(q_BxLxHxD.reshape(B, L, K, G, D))
+  k_tiles, v_tiles, mask_tiles = tiles(k_BxLxKxD), tiles(v_BxLxKxD), tiles(mask_BxL)
+  neg, offsets, scale = jnp.finfo(f32).min, jnp.arange(T), D ** -0.5
+
+  @jax.checkpoint
+  def query_tile(args):
+    q_BxTxKxGxD, qi = args
+
+    @jax.checkpoint
+    def key_tile(carry, xs):
+      k_BxTxKxD, v_BxTxKxD, mask_BxT, ki = xs
+
+      def update(carry):
+        m, l, acc = carry
+        s = jnp.einsum("bqkgd,bskd->bkgqs", q_BxTxKxGxD, k_BxTxKxD, preferred_element_type=f32) * scale
+        causal_TxT = (qi * T + offsets)[:, None] >= (ki * T + offsets)[None, :]
+        s = jnp.where((causal_TxT[None] & (mask_BxT[:, None, :] == 1))[:, None, None], s, neg)
+        # The result does not depend on the running max, so no gradient flows through it.
+        m_new = jax.lax.stop_gradient(jnp.maximum(m, s.max(-1)))
+        p = jnp.exp(s - m_new[..., None])
+        correction = jnp.exp(m - m_new)
+        pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(dt), v_BxTxKxD, preferred_element_type=f32)
+        return m_new, l * correction + p.sum(-1), acc * correction[..., None] + pv
+
+      return jax.lax.cond(ki <= qi, update, lambda c: c, carry), None
+
+    init = (jnp.full((B, K, G, T), neg, f32), jnp.zeros((B, K, G, T), f32), jnp.zeros((B, K, G, T, D), f32))
+    (_, l, acc), _ = jax.lax.scan(key_tile, init, (k_tiles, v_tiles, mask_tiles, jnp.arange(n)))
+    return acc / l[..., None]  # l >= 1: a row's diagonal tile is always visited
+
+  out = jax.lax.map(query_tile, (q_tiles, jnp.arange(n)))  # [n,B,K,G,T,D]
+  out_BxLxKxGxD = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, n * T, K, G, D)[:, :L]
+  sees_a_key_BxL = jnp.cumsum(mask_BxL, axis=1) > 0
+  mean_v_BxKxD = jnp.mean(v_BxLxKxD.astype(f32), axis=1)
+  out_BxLxKxGxD = jnp.where(sees_a_key_BxL[:, :, None, None, None], out_BxLxKxGxD, mean_v_BxKxD[:, None, :, None])
+  return out_BxLxKxGxD.reshape(B, L, H, D).astype(dt)
+
+
 class Attention(nnx.Module):
   def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
     pd, E, H, K, D = c.param_dtype, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     self.dtype = jnp.dtype(c.dtype)
+    self.attention_impl, self.attention_block = c.attention_impl, c.attention_block
     self.q_proj = _param(rngs, (E, H, D), ("embed", "heads", "head_dim"), pd)
     self.k_proj = _param(rngs, (E, K, D), ("embed", "kv_heads", "head_dim"), pd)
     self.v_proj = _param(rngs, (E, K, D), ("embed", "kv_heads", "head_dim"), pd)
@@ -235,7 +304,8 @@ class Attention(nnx.Module):
     y = jnp.einsum("ble,ehd->blhd", x, kernel[...].astype(self.dtype))
     return y if bias is None else y + bias[...].astype(self.dtype)
 
-  def __call__(self, x_BxLxE, cos_BxLxD, sin_BxLxD, allowed_BxLxS, cache_kv=None, index=None):
+  def __call__(self, x_BxLxE, cos_BxLxD, sin_BxLxD, allowed_BxLxS, mask_BxL, cache_kv=None, index=None):
+    """`allowed_BxLxS` is None on the blockwise path, which derives it from `mask_BxL` tile by tile."""
     q = self._project(x_BxLxE, self.q_proj, self.q_bias)
     k = self._project(x_BxLxE, self.k_proj, self.k_bias)
     v = self._project(x_BxLxE, self.v_proj, self.v_bias)
@@ -254,12 +324,15 @@ class Attention(nnx.Module):
       new_kv = None
       kv_axes, K = "bskd", k.shape[2]
     B, L, H, D = q.shape
-    q_BxLxKxGxD = q.reshape(B, L, K, H // K, D)
-    scores = jnp.einsum(f"blkgd,{kv_axes}->bkgls", q_BxLxKxGxD, k.astype(self.dtype),
-                        preferred_element_type=jnp.float32) * (D ** -0.5)
-    scores = jnp.where(allowed_BxLxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-    out = jnp.einsum(f"bkgls,{kv_axes}->blkgd", probs, v.astype(self.dtype)).reshape(B, L, H, D)
+    if allowed_BxLxS is None:
+      out = blockwise_attention(q, k.astype(self.dtype), v.astype(self.dtype), mask_BxL, self.attention_block)
+    else:
+      q_BxLxKxGxD = q.reshape(B, L, K, H // K, D)
+      scores = jnp.einsum(f"blkgd,{kv_axes}->bkgls", q_BxLxKxGxD, k.astype(self.dtype),
+                          preferred_element_type=jnp.float32) * (D ** -0.5)
+      scores = jnp.where(allowed_BxLxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+      probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+      out = jnp.einsum(f"bkgls,{kv_axes}->blkgd", probs, v.astype(self.dtype)).reshape(B, L, H, D)
     out = jnp.einsum("blhd,hde->ble", out, self.o_proj[...].astype(self.dtype))
     if self.o_bias is not None:
       out = out + self.o_bias[...].astype(self.dtype)
@@ -289,14 +362,14 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, c.param_dtype, rngs=rngs)
     self.mlp = MLP(c, rngs=rngs)
 
-  def __call__(self, x, cos, sin, allowed, cache_kv=None, index=None):
-    h, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, allowed, cache_kv, index)
+  def __call__(self, x, cos, sin, allowed, mask, cache_kv=None, index=None):
+    h, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, allowed, mask, cache_kv, index)
     x = x + h
     return x + self.mlp(self.post_attention_layernorm(x)), new_kv
 
 
-def _run_layer(layer, x, cos, sin, allowed, cache_kv, index):
-  return layer(x, cos, sin, allowed, cache_kv, index)
+def _run_layer(layer, x, cos, sin, allowed, mask, cache_kv, index):
+  return layer(x, cos, sin, allowed, mask, cache_kv, index)
 
 
 class Decoder(nnx.Module):
@@ -336,6 +409,8 @@ class Decoder(nnx.Module):
       already_B = jnp.sum(cache.mask, axis=1)
       slot_L = cache.index + jnp.arange(L)
       allowed = (jnp.arange(S)[None, :] <= slot_L[:, None])[None] & (new_mask_BxS[:, None, :] == 1)
+    elif c.attention_impl == "blockwise":
+      already_B, allowed = jnp.zeros((B,), jnp.int32), None
     else:
       already_B = jnp.zeros((B,), jnp.int32)
       causal_LxL = jnp.tril(jnp.ones((L, L), bool))
@@ -352,7 +427,7 @@ class Decoder(nnx.Module):
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       kv = (cache.k[i], cache.v[i]) if cache is not None else None
-      x, kv = run(layer, x, cos, sin, allowed, kv, cache.index if cache is not None else None)
+      x, kv = run(layer, x, cos, sin, allowed, mask_BxL, kv, cache.index if cache is not None else None)
       if cache is not None:
         new_k.append(kv[0])
         new_v.append(kv[1])

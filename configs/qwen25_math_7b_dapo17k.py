@@ -92,6 +92,10 @@ def get_config(arg=None):
       dtype="bfloat16",  # compute
       param_dtype=args.get("param_dtype", "bfloat16"),  # weights, moments
       remat=True,  # rematerialise each layer in the backward pass
+      # Flash-style attention over 1024 x 1024 tiles: the full [L, L] float32
+      # scores at L = 22528 would be ~2 GB per row, head and layer.
+      attention_impl="blockwise",
+      attention_block=1024,
   ))
 
   # Training data. Read by the dataset task (ba_jax.data.load_dapo_math),

@@ -64,6 +64,10 @@ def get_config(arg=None):
       dtype="float32",  # compute dtype
       param_dtype="float32",
       remat=False,  # rematerialise each layer in the backward pass
+      # Uncached attention: "full" builds the [L, L] score matrix; "blockwise"
+      # runs over attention_block x attention_block tiles (flash-style).
+      attention_impl="full",
+      attention_block=512,
   ))
 
   # The bundled synthetic task (ba_jax/synthetic.py).
