@@ -1,11 +1,11 @@
 """The paper's analysis: does the length gap / length variation pick the winner?
 
-    python experiments/sweep_length.py --gaps=-6,0,6 --max_terms=3,6 --seeds=2
+    python experiments/sweep_length.py --gaps=-6,6 --terms=3-3,2-4 --seeds=1
 
 For each cell (the synthetic task's length gap between wrong and right
 responses, `task.length_gap`, and its length-variation setting,
-`task.max_terms`: the most numbers a problem adds, so the spread of response
-lengths) it runs the aggregation ablation with `token`, `sequence` and
+`task.min_terms`-`task.max_terms`: how many numbers a problem adds, so the
+spread of response lengths; 3-3 gives every problem three numbers) it runs the aggregation ablation with `token`, `sequence` and
 `balanced` (experiments/ablate_aggregation.py, one warm-up per seed shared by
 the modes) and reports which of token and sequence ends with the higher
 held-out accuracy, and where balanced stands. Writes `sweep.md` and
@@ -31,7 +31,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", default="configs/tiny.py")
   parser.add_argument("--gaps", default="-6,0,6")
-  parser.add_argument("--max_terms", default="3,6")
+  parser.add_argument("--terms", default="3-3,2-4",
+                      help="min-max numbers per problem, one range per cell")
   parser.add_argument("--seeds", type=int, default=2)
   parser.add_argument("--parallel", type=int, default=2)
   parser.add_argument("--outdir", default="experiments/results/sweep")
@@ -41,13 +42,15 @@ def main(argv=None):
   command = " ".join(["python", "experiments/sweep_length.py",
                       *(argv if argv is not None else sys.argv[1:])])
   cells = []
-  for max_terms in [int(x) for x in args.max_terms.split(",")]:
+  for terms in args.terms.split(","):
+    min_terms, _, max_terms = terms.partition("-")
     for gap in [int(x) for x in args.gaps.split(",")]:
-      cell_dir = outdir / f"terms{max_terms}_gap{gap}"
+      cell_dir = outdir / f"terms{terms}_gap{gap}"
       rows = ablate_aggregation.main([
           f"--config={args.config}", f"--variant=gap={gap}",
           f"--modes={','.join(MODES)}", f"--seeds={args.seeds}",
           f"--parallel={args.parallel}", f"--outdir={cell_dir}",
+          f"--override=--config.task.min_terms={min_terms}",
           f"--override=--config.task.max_terms={max_terms}",
           *[f"--override={o}" for o in args.override]])
       acc = {m: float(np.mean([r["heldout_after"] for r in rows
@@ -55,7 +58,7 @@ def main(argv=None):
       stats = {k: float(np.nanmean([r[k] for r in rows]))
                for k in ("length_cv_mean", "length_gap_mean", "length_mean")}
       ranked = sorted(MODES, key=lambda m: -acc[m])
-      cells.append(dict(max_terms=max_terms, gap=gap, accuracy=acc, **stats,
+      cells.append(dict(terms=terms, gap=gap, accuracy=acc, **stats,
                         token_vs_sequence=("token" if acc["token"] >
                                            acc["sequence"] else "sequence"
                                            if acc["sequence"] > acc["token"]
@@ -73,13 +76,13 @@ def main(argv=None):
       "wrong traces exceed right ones); `measured gap` is the mean length of "
       "positive minus negative responses during RL; `length CV` the mean "
       "within-group coefficient of variation.", "",
-      "| max terms | length gap knob | measured gap | length CV | token "
+      "| numbers per problem | length gap knob | measured gap | length CV | token "
       "| sequence | balanced | token vs sequence | balanced rank (of 3) |",
       "|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
   for c in cells:
     a = c["accuracy"]
     lines.append(
-        f"| {c['max_terms']} | {c['gap']} | {c['length_gap_mean']:.2f} | "
+        f"| {c['terms']} | {c['gap']} | {c['length_gap_mean']:.2f} | "
         f"{c['length_cv_mean']:.3f} | {a['token']:.3f} | {a['sequence']:.3f} | "
         f"{a['balanced']:.3f} | {c['token_vs_sequence']} | "
         f"{c['balanced_rank']} |")
