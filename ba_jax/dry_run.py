@@ -199,13 +199,7 @@ def dry_run(config, *, devices=None, sample: bool = True,
   model_config = model_config_from(config)
   graphdef, abstract_params = nnx.split(nnx.eval_shape(
       lambda: model_lib.Decoder(model_config, rngs=nnx.Rngs(0))))
-  optim = config.optim
-  tx = ts.make_optimizer(
-      learning_rate=optim.learning_rate, warmup_steps=optim.warmup_steps,
-      total_steps=rl.steps * rl.ppo_epochs * rl.num_minibatches,
-      schedule=optim.schedule, end_lr_frac=optim.end_lr_frac,
-      weight_decay=optim.weight_decay, b1=optim.b1, b2=optim.b2,
-      eps=optim.eps, grad_clip=optim.grad_clip)
+  tx = ts.optimizer_from_config(config)
   shapes = jax.eval_shape(lambda p: ts.create_state(p, tx), abstract_params)
   state_sharding = ts.tree_shardings(shapes, mesh, rules)
   state_in = checkpointing.abstract_like(shapes, state_sharding)

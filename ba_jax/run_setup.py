@@ -155,13 +155,7 @@ def make_setup(config) -> Setup:
   abstract = nnx.eval_shape(
       lambda: model_lib.Decoder(model_config, rngs=nnx.Rngs(config.seed)))
   graphdef, abstract_params = nnx.split(abstract)
-  rl, optim = config.rl, config.optim
-  tx = ts.make_optimizer(
-      learning_rate=optim.learning_rate, warmup_steps=optim.warmup_steps,
-      total_steps=rl.steps * rl.ppo_epochs * rl.num_minibatches,
-      schedule=optim.schedule, end_lr_frac=optim.end_lr_frac,
-      weight_decay=optim.weight_decay, b1=optim.b1, b2=optim.b2,
-      eps=optim.eps, grad_clip=optim.grad_clip)
+  tx = ts.optimizer_from_config(config)
   abstract_state = jax.eval_shape(lambda p: ts.create_state(p, tx),
                                   abstract_params)
   state_sharding = ts.tree_shardings(abstract_state, mesh, rules)

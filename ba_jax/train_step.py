@@ -249,3 +249,14 @@ def make_optimizer(*, learning_rate: float, warmup_steps: int,
   parts.append(optax.adamw(lr, b1=b1, b2=b2, eps=eps,
                            weight_decay=weight_decay))
   return optax.chain(*parts)
+
+
+def optimizer_from_config(config) -> optax.GradientTransformation:
+  """``make_optimizer`` from a run config's ``optim`` and ``rl`` sections."""
+  rl, optim = config.rl, config.optim
+  return make_optimizer(
+      learning_rate=optim.learning_rate, warmup_steps=optim.warmup_steps,
+      total_steps=rl.steps * rl.ppo_epochs * rl.num_minibatches,
+      schedule=optim.schedule, end_lr_frac=optim.end_lr_frac,
+      weight_decay=optim.weight_decay, b1=optim.b1, b2=optim.b2,
+      eps=optim.eps, grad_clip=optim.grad_clip)
