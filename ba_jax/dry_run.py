@@ -36,7 +36,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import errors as flax_errors
 from flax import nnx
 
 from ba_jax import checkpointing
@@ -300,29 +299,15 @@ def _dry_run_sampler(config, graphdef, params_in, mesh, rules, platform):
   ids = jax.ShapeDtypeStruct((prompts, bucket), jnp.int32, sharding=(
       sharding_lib.logical_sharding(mesh, rules, ("batch", None),
                                     shape=(prompts, bucket))))
-  lower = lambda graphdef: sampler_lib._sample_jit.lower(  # pylint: disable=protected-access
+  # The model skips remat on its cached (sampling) path, so a remat config
+  # lowers here as it is.
+  lowered = sampler_lib._sample_jit.lower(  # pylint: disable=protected-access
       graphdef, params_in, ids, ids, jax.eval_shape(lambda: jax.random.key(0)),
       jax.ShapeDtypeStruct((), jnp.float32),
       jax.ShapeDtypeStruct((1,), jnp.int32), cfg=loop_cfg,
       mesh_rules=(mesh, rules))
-  note = None
-  try:
-    lowered = lower(graphdef)
-  except flax_errors.TraceContextError:
-    # nnx.remat inside the decode loop fails to trace; remat does nothing
-    # without a backward pass, so the program is the same without it.
-    model_config = model_config_from(config)
-    if not model_config.remat:
-      raise
-    note = ("sample: sampler._sample_jit fails to trace with model.remat="
-            "True (flax TraceContextError: nnx.remat in the decode loop); "
-            "compiled with remat off, which computes the same")
-    lowered = lower(nnx.graphdef(nnx.eval_shape(lambda: model_lib.Decoder(
-        dataclasses.replace(model_config, remat=False)))))
   out = _compile(lowered, platform)
   out["prompt_bucket"] = bucket
-  if note:
-    out["note"] = note
   return out
 
 
@@ -372,8 +357,6 @@ def format_report(report: dict) -> str:
       f"{s['micro_batch_rows']} rows",
   ]
   lines += [f"note: {n}" for n in report["notes"]]
-  lines += [f"note: {report[p]['note']}" for p in PROGRAMS
-            if "note" in report.get(p, {})]
   programs = [p for p in PROGRAMS if p in report]
   lines.append("")
   lines.append(f"{'per device':<26}" + "".join(f"{p:>16}" for p in programs))
