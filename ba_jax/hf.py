@@ -13,7 +13,7 @@ import json
 import os
 import pathlib
 import re
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

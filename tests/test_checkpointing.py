@@ -1,6 +1,4 @@
 """Checkpoints: exact resume, SIGTERM, restore onto another mesh, export."""
-import json
-import os
 import signal
 import subprocess
 import sys

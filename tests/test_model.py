@@ -1,5 +1,4 @@
 """Our decoder is `transformers`' function: logits, gradients, KV cache, dtypes, config."""
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +8,7 @@ import torch
 from flax import nnx
 
 from ba_jax import hf
-from ba_jax.model import Decoder, KVCache, ModelConfig, init_cache
+from ba_jax.model import Decoder, ModelConfig, init_cache
 from model_utils import KINDS, left_padded_batch, make_hf_model, save_tiny_model, torch_logits
 
 # float32 logits of magnitude ~5 through 2 layers: summation-order differences are ~1e-6.

@@ -2,7 +2,6 @@
 micro-batching, non-finite updates skipped, bad options rejected."""
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

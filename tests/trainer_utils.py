@@ -5,7 +5,6 @@ import sys
 
 import jax
 import numpy as np
-from flax import nnx
 
 from ba_jax import model as model_lib
 
