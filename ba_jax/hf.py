@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save as safetensors_bytes
 
 from ba_jax import sharding as sharding_lib
 from ba_jax.model import Decoder, ModelConfig
@@ -202,6 +202,13 @@ def _to_host(x) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
+def _write_safetensors(tensors: dict, file):
+  # safetensors' save_file creates the file 0600; a plain open() gives 0644 under the usual
+  # umask, like config.json and the tokenizer next to it.
+  with open(file, "wb") as f:
+    f.write(safetensors_bytes(tensors, metadata={"format": "pt"}))
+
+
 def save_pretrained(model: Decoder, config: ModelConfig, path, tokenizer=None, *,
                     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, generation_config: dict | None = None,
                     base_config: dict | None = None) -> None:
@@ -233,12 +240,12 @@ def save_pretrained(model: Decoder, config: ModelConfig, path, tokenizer=None, *
     if stale.exists():
       stale.unlink()
   if len(shards) == 1:
-    save_file(shards[0], path / SAFETENSORS, metadata={"format": "pt"})
+    _write_safetensors(shards[0], path / SAFETENSORS)
   else:
     weight_map = {}
     for i, shard in enumerate(shards):
       name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      save_file(shard, path / name, metadata={"format": "pt"})
+      _write_safetensors(shard, path / name)
       weight_map.update({k: name for k in shard})
     with open(path / SAFETENSORS_INDEX, "w") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
