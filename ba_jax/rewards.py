@@ -9,15 +9,17 @@ truth's, or when math-verify judges the raw (or else the normalised) forms
 equivalent (1/2 = 0.5 = \\frac{1}{2}). Each distinct (answer, ground truth)
 pair of a batch is graded once.
 
-math-verify bounds its own time with `signal.alarm`, which only works on the
-main thread. In pool workers its timeouts are off and the pool kills a worker
-whose item runs past the deadline (`ba_jax.reward_pool`).
+math-verify's own timeouts are off everywhere (they turn a timeout into a silent
+"wrong" and can add up to several times the budget). In process, one SIGALRM
+deadline bounds each item and counts it in `timeouts`; in pool workers the pool
+kills a worker whose item runs past the deadline (`ba_jax.reward_pool`).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import re
+import signal
 import threading
 from typing import Sequence
 
@@ -213,8 +215,9 @@ def score_math(responses: Sequence[str], ground_truths: Sequence[str], *, rule: 
   """Scores each response against its ground truth. DAPO uses correct/incorrect = +1/-1.
 
   With `pool`, grading runs in its workers with a deadline per item (`timeout_s`
-  overrides the pool's). Without one it runs here, bounded by math-verify's
-  signal timeouts when on the main thread (unbounded on other threads).
+  overrides the pool's). Without one it runs here with a SIGALRM deadline per
+  item (default 10 s) when on the main thread, unbounded on other threads; a
+  C-level sympy call is only interrupted when it returns to Python.
   """
   _check_rule(rule)
   _check_lengths(responses, ground_truths, "responses", "ground_truths")
@@ -239,11 +242,35 @@ def score_math(responses: Sequence[str], ground_truths: Sequence[str], *, rule: 
       messages=[r.message for r in results], distinct_graded=len(distinct))
 
 
+class _GradingDeadline(BaseException):
+  """Raised by the SIGALRM handler; a BaseException so that sympy's `except Exception` blocks
+  (and math-verify's, which turn its own timeouts into a silent False) cannot swallow it."""
+
+
 def _grade_in_process(key: tuple[str, str], timeout_s: float | None) -> reward_pool.ItemResult:
-  on_main_thread = threading.current_thread() is threading.main_thread()
-  seconds = max(1, int(round(timeout_s or 10))) if on_main_thread else None
+  if threading.current_thread() is not threading.main_thread():
+    return _grade_unbounded(key)  # signals only reach the main thread
+  seconds = float(timeout_s or 10.0)
+
+  def on_alarm(signum, frame):
+    raise _GradingDeadline()
+
+  # One timer for the whole item, math-verify's own (one per parse/verify call, which can add
+  # up to several times the budget) off.
+  previous = signal.signal(signal.SIGALRM, on_alarm)
+  signal.setitimer(signal.ITIMER_REAL, seconds)
   try:
-    return reward_pool.ItemResult("ok", judge_extracted(*key, timeout_s=seconds))
+    return _grade_unbounded(key)
+  except _GradingDeadline:
+    return reward_pool.ItemResult("timeout", None, f"exceeded {seconds:g}s (graded in process)")
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _grade_unbounded(key: tuple[str, str]) -> reward_pool.ItemResult:
+  try:
+    return reward_pool.ItemResult("ok", judge_extracted(*key, timeout_s=None))
   except Exception as e:  # noqa: BLE001 -- a grader failure scores 0 and is counted
     return reward_pool.ItemResult("error", None, f"{type(e).__name__}: {e}")
 

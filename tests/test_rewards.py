@@ -126,3 +126,19 @@ def test_timeout_pool_survives_crashing_and_hanging_graders():
     assert len(pids) <= 2
   with pytest.raises(ValueError, match="timeout_s must be > 0 seconds, got 0"):
     reward_pool.TimeoutPool(timeout_s=0)
+
+
+def test_in_process_timeout_is_counted_and_bounded():
+  # Without a pool, the deadline covers the whole item: math-verify's own timeouts (one per
+  # parse/verify call) used to turn this into a silent "wrong" after ~2.6x the budget.
+  rewards.score_math(["Answer: 1"], ["1"])  # import sympy/math-verify outside the timed part
+  start = time.monotonic()
+  batch = rewards.score_math(["Answer: $(10^{10})!$", "Answer: 0.5"], ["5", "1/2"], timeout_s=1.0)
+  elapsed = time.monotonic() - start
+  assert batch.correct.tolist() == [False, True]
+  assert batch.timeouts == 1 and batch.errors == 0
+  assert batch.messages[0] == "exceeded 1s (graded in process)" and batch.messages[1] == ""
+  assert elapsed < 1.0 + 0.8  # the budget plus grading the easy item on a loaded machine
+  again = rewards.score_math(["Answer: 2"], ["2"], timeout_s=1.0)  # the timer is cleared
+  time.sleep(1.2)
+  assert again.correct.tolist() == [True]
