@@ -52,27 +52,61 @@ def _fail(path, row, field, problem):
 # ----------------------------------------------------------------------------- reading rows
 
 
+def _decode_line(path, i, raw: bytes) -> str:
+  try:
+    return raw.decode("utf-8-sig" if i == 0 else "utf-8")
+  except UnicodeDecodeError as e:
+    bad = raw[e.start:e.start + 4]
+    raise DataError(f"{path}: row {i} (line {i + 1}): not valid UTF-8 at byte {e.start} of the "
+                    f"line ({bad!r}); the file must be UTF-8 encoded") from None
+
+
+def _read_jsonl(path) -> Iterator[tuple[int, dict]]:
+  with open(path, "rb") as f:  # bytes, so that a bad byte is reported with its line
+    for i, raw in enumerate(f):
+      line = _decode_line(path, i, raw)
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{path}: row {i} (line {i + 1}): not valid JSON: {e}") from None
+      if not isinstance(record, dict):
+        raise DataError(f"{path}: row {i}: expected a JSON object, got {type(record).__name__}")
+      yield i, record
+
+
+def _read_json(path):
+  with open(path, "rb") as f:
+    raw = f.read()
+  if not raw.strip():
+    raise DataError(f"{path}: the file is empty ({len(raw)} bytes); expected a JSON list of "
+                    "records")
+  try:
+    text = raw.decode("utf-8-sig")
+  except UnicodeDecodeError as e:
+    line = raw.count(b"\n", 0, e.start) + 1
+    raise DataError(f"{path}: line {line}: not valid UTF-8 at byte {e.start} "
+                    f"({raw[e.start:e.start + 4]!r}); the file must be UTF-8 encoded") from None
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError as e:
+    raise DataError(f"{path}: line {e.lineno} column {e.colno}: not valid JSON: {e.msg}") from None
+
+
 def read_rows(path: str) -> Iterator[tuple[int, dict]]:
-  """Yields (row number, record) from a .jsonl/.json/.parquet file or a dataset dir/name."""
+  """Yields (row number, record) from a .jsonl/.json/.parquet file or a dataset dir/name.
+
+  A jsonl row number is its 0-based line index; errors also give the 1-based line.
+  """
   path = os.fspath(path)
   if os.path.isfile(path):
     lower = path.lower()
     if lower.endswith((".jsonl", ".ndjson")):
-      with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-          if not line.strip():
-            continue
-          try:
-            record = json.loads(line)
-          except json.JSONDecodeError as e:
-            raise DataError(f"{path}: row {i} (line {i + 1}): not valid JSON: {e}") from None
-          if not isinstance(record, dict):
-            raise DataError(f"{path}: row {i}: expected a JSON object, got {type(record).__name__}")
-          yield i, record
+      yield from _read_jsonl(path)
       return
     if lower.endswith(".json"):
-      with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+      data = _read_json(path)
       if isinstance(data, dict):  # {"data": [...]} or column-oriented {"col": [...]}
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(data) == 1 and lists:
@@ -88,7 +122,11 @@ def read_rows(path: str) -> Iterator[tuple[int, dict]]:
       return
     if lower.endswith(".parquet"):
       import pyarrow.parquet as pq
-      for i, record in enumerate(pq.read_table(path).to_pylist()):
+      try:
+        rows = pq.read_table(path).to_pylist()
+      except Exception as e:  # pyarrow raises its own error types, without the file name
+        raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+      for i, record in enumerate(rows):
         yield i, record
       return
     raise DataError(f"{path}: unsupported file type; expected .jsonl, .json or .parquet")
@@ -172,6 +210,8 @@ def load_dapo_math(path_or_name: str, *, dedup: bool = True) -> ExampleList:
         prompt=[dict(role=m["role"], content=m["content"]) for m in messages],
         meta={"ability": record.get("ability"), "extra_info": record.get("extra_info"),
               "row": row}))
+  if not examples:
+    raise DataError(f"{path_or_name}: no training examples (the file has no rows)")
   stats = {"rows": rows, "examples": len(examples), "duplicates_dropped": rows - len(examples)}
   logging.getLogger(__name__).info("DAPO-Math %s: %d rows, %d unique, %d duplicates dropped",
                                    path_or_name, rows, len(examples), stats["duplicates_dropped"])
@@ -208,6 +248,10 @@ def load_polaris(path: str, *, min_difficulty: float | None = None,
       continue
     examples.append(Example(problem=problem, answer=answer, source="polaris",
                             meta={"difficulty": difficulty, "row": row}))
+  if not examples:
+    why = ("the file has no rows" if not rows else
+           f"all {rows} rows are outside difficulty [{min_difficulty}, {max_difficulty}]")
+    raise DataError(f"{path}: no training examples ({why})")
   return ExampleList(examples, {"rows": rows, "examples": len(examples),
                                 "filtered_out": rows - len(examples)})
 

@@ -207,3 +207,46 @@ def test_a_dataset_directory_goes_through_hf_datasets(tmp_path):
   assert [(e.problem, e.answer) for e in via_datasets] == [(e.problem, e.answer) for e in direct]
   with pytest.raises(data.DataError, match="no-such-dataset: not a file, and datasets.load_dataset"):
     data.load_polaris("no-such-dataset")
+
+
+def _polaris_line(problem="p", answer="1"):
+  return json.dumps({"problem": problem, "answer": answer, "difficulty": "1/2"})
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("bad_byte.jsonl", _polaris_line().encode() + b'\n{"problem": "caf\xe9", "answer": "1"}\n',
+     r"bad_byte.jsonl: row 1 \(line 2\): not valid UTF-8 at byte 16 of the line \(b'\\xe9\"."),
+    ("empty.json", b"", r"empty.json: the file is empty \(0 bytes\)"),
+    ("latin1.json", b'[{"problem": "p", "answer": "1"},\n {"problem": "caf\xe9", "answer": "2"}]',
+     r"latin1.json: line 2: not valid UTF-8 at byte 51 \(b'\\xe9\","),
+    ("broken.json", b'[{"problem": "p", "answer": "1"},\n {"problem": "q" "answer": "2"}]',
+     r"broken.json: line 2 column 18: not valid JSON: Expecting ',' delimiter"),
+    ("no_answer.json", b'[{"problem": "p", "answer": "1"}, {"problem": "q"}]',
+     r"no_answer.json: row 1: field 'answer': missing"),
+    ("truncated.parquet", b"PAR1\x00\x01", r"truncated.parquet: not a readable parquet file"),
+])
+def test_decode_failures_name_file_row_and_field(tmp_path, name, content, expected):
+  path = tmp_path / name
+  path.write_bytes(content)
+  with pytest.raises(data.DataError, match=expected):
+    data.load_polaris(str(path))
+
+
+def test_a_byte_order_mark_is_not_an_error(tmp_path):
+  path = tmp_path / "bom.jsonl"
+  path.write_bytes(b"\xef\xbb\xbf" + _polaris_line().encode() + b"\n")
+  assert [e.problem for e in data.load_polaris(str(path))] == ["p"]
+
+
+def test_an_empty_training_set_is_an_error_naming_the_file(tmp_path):
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("\n\n")
+  with pytest.raises(data.DataError, match=r"empty.jsonl: no training examples \(the file has no"):
+    data.load_polaris(str(empty))
+  with pytest.raises(data.DataError, match=r"empty.jsonl: no training examples"):
+    data.load_dapo_math(str(empty))
+  path = str(FIXTURES / "polaris.jsonl")
+  with pytest.raises(data.DataError,
+                     match=r"polaris.jsonl: no training examples \(all 6 rows are outside "
+                           r"difficulty \[0.9, 0.95\]\)"):
+    data.load_polaris(path, min_difficulty=0.9, max_difficulty=0.95)
