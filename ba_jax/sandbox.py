@@ -1,19 +1,23 @@
-"""A sandbox for model-written Python: limits, no network, private cwd, nothing left behind.
+"""A sandbox for model-written Python: namespaces, limits, nothing left behind, unforgeable tests.
 
-Each run is a fresh `python -I` process in its own session, started through a
-launcher that, before running the program:
-  * sets RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE;
-  * as root: enters a new, empty network namespace (no interface is up, so
-    every connection fails), then drops to a fresh unprivileged uid used by no
-    other process, so RLIMIT_NPROC bounds a fork bomb (the limit is ignored for
-    root) and file permissions block writes to root-owned paths;
-  * installs Python-level guards (sockets refused, `open` for writing outside
-    the private temp dir refused) as defence in depth and for non-root runs.
-The interpreter is this Python when a dropped uid can read its standard
-library, else the system python3 (`sandbox_python`). After the run (or on the
-wall-clock timeout) every process of the run's
-session and of its uid is SIGKILLed, files the uid left in world-writable
-temp dirs are removed and reported, and the private temp dir is deleted.
+Each run is a fresh `python -I` process (`sandbox_launcher`, then
+`sandbox_harness`) in new mount, network, PID and IPC namespaces, as root
+directly and otherwise inside a new user namespace, so the same containment
+holds without root:
+  * network: an empty network namespace (no interface is up);
+  * files: every mount read-only, /tmp, /var/tmp, /dev/shm and /run hidden;
+    the only writable place is a private tmpfs on the run's dir, gone with it;
+  * processes: a PID namespace with a fresh /proc, so the caller and every
+    other process can be neither seen nor signalled; when the run ends its
+    init exits and the kernel kills whatever is left;
+  * limits: RLIMIT_CPU/AS/FSIZE/NOFILE/CORE/NPROC, no_new_privs, no
+    capabilities; as root also a fresh uid used by no other process;
+  * Python-level guards (optional, on by default) as defence in depth.
+Where the kernel refuses the namespaces the sandbox refuses to run anything
+(`SandboxUnavailable`, with the reason); it never falls back to the guards.
+Assertion tests pass only on a per-run token the harness emits after the last
+assertion (`sandbox_harness`). The interpreter is this Python when a dropped
+uid can read its standard library, else the system python3 (`sandbox_python`).
 """
 from __future__ import annotations
 
@@ -34,48 +38,14 @@ from typing import Sequence
 _WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 _IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
-_LAUNCHER = r'''
-import builtins, ctypes, io, json, os, resource, runpy, socket, sys
-cfg = json.loads(sys.argv[1])
-def limit(kind, value):
-    try:
-        resource.setrlimit(kind, (value, value))
-    except (ValueError, OSError):
-        pass
-if cfg["uid"] is not None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(0x40000000) != 0:  # CLONE_NEWNET
-        raise SystemExit("sandbox: could not enter a network namespace")
-limit(resource.RLIMIT_CPU, cfg["cpu_s"])
-limit(resource.RLIMIT_AS, cfg["memory_bytes"])
-limit(resource.RLIMIT_FSIZE, cfg["file_bytes"])
-limit(resource.RLIMIT_NOFILE, 64)
-limit(resource.RLIMIT_CORE, 0)
-limit(resource.RLIMIT_NPROC, cfg["nproc"])
-if cfg["uid"] is not None:
-    os.setgroups([])
-    os.setgid(cfg["uid"])
-    os.setuid(cfg["uid"])
-root = os.path.realpath(os.getcwd())
-if cfg["guards"]:
-    _open = builtins.open
-    def guarded_open(file, mode="r", *args, **kwargs):
-        if not isinstance(file, int) and any(c in mode for c in "wax+"):
-            path = os.path.realpath(os.fsdecode(file))
-            if path != root and not path.startswith(root + os.sep):
-                raise PermissionError(f"sandbox: writing outside {root} is not allowed: {path}")
-        return _open(file, mode, *args, **kwargs)
-    builtins.open = io.open = guarded_open
-    class NoNetwork(socket.socket):
-        def __init__(self, family=-1, *args, **kwargs):
-            if family != socket.AF_UNIX:
-                raise PermissionError("sandbox: network access is not allowed")
-            super().__init__(family, *args, **kwargs)
-    socket.socket = NoNetwork
-del cfg, limit
-sys.argv = ["solution.py"]
-runpy.run_path("solution.py", run_name="__main__")
-'''
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LAUNCHER_FILE = os.path.join(_HERE, "sandbox_launcher.py")
+_HARNESS_FILE = os.path.join(_HERE, "sandbox_harness.py")
+_SETUP_FAILED = 125
+
+
+class SandboxUnavailable(RuntimeError):
+  """The kernel refused the isolation the sandbox needs; nothing was run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +56,7 @@ class SandboxLimits:
   max_processes: int = 16
   max_file_mb: int = 16
   max_output_chars: int = 1 << 20
+  max_workdir_mb: int = 64  # the private tmpfs the program may write to
   python_guards: bool = True
 
 
@@ -99,6 +70,8 @@ class RunResult:
   uid: int | None  # the throwaway uid the program ran as (None when not root)
   killed_processes: int = 0  # processes still alive after the main one exited or timed out
   escaped_files: list = dataclasses.field(default_factory=list)  # removed from shared temp dirs
+  # Assertion runs: the harness wrote this run's token, i.e. every assertion ran without raising.
+  assertions_passed: bool = False
 
 
 @dataclasses.dataclass
@@ -227,22 +200,75 @@ def _read_capped(f, limit: int) -> str:
   return f.read(limit).decode("utf-8", errors="replace")
 
 
-def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> RunResult:
-  """Runs `source` as a Python program with `stdin`; returns its output and what was cleaned up."""
+def _read_available(fd: int, limit: int) -> bytes:
+  """What the pipe holds, without waiting (every writer is dead by now)."""
+  os.set_blocking(fd, False)
+  chunks, size = [], 0
+  while size < limit:
+    try:
+      chunk = os.read(fd, min(65536, limit - size))
+    except BlockingIOError:
+      break
+    if not chunk:
+      break
+    chunks.append(chunk)
+    size += len(chunk)
+  return b"".join(chunks)
+
+
+def _parse_status(status: str, launcher_rc: int | None, stderr: str, timed_out: bool):
+  """(returncode of the program, whether setup completed) from the launcher's status pipe."""
+  lines = status.splitlines()
+  errors = [line for line in lines if line.startswith("error: ")]
+  if errors or (not lines and not timed_out):
+    reason = errors[0][len("error: "):] if errors else (
+        f"the launcher exited with code {launcher_rc} before setting up; stderr: {stderr[-300:]!r}")
+    raise SandboxUnavailable(
+        f"sandbox: refusing to run untrusted code: {reason}. It needs Linux >= 5.12 with "
+        f"{'mount/network/PID namespaces' if _IS_ROOT else 'unprivileged user namespaces'}")
+  for line in lines[1:]:
+    kind, _, value = line.partition(" ")
+    if kind == "exit":
+      return int(value)
+    if kind == "signal":
+      return -int(value)
+  return None  # killed on the wall-clock timeout before the program finished
+
+
+def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *,
+                assertions: Sequence[str] | None = None) -> RunResult:
+  """Runs `source` as a Python program with `stdin`; returns its output and what was cleaned up.
+
+  With `assertions` (Python source strings) they run after the program, in its
+  namespace, and `assertions_passed` says whether the harness proved that all ran.
+  """
   workdir = tempfile.mkdtemp(prefix="ba_jax_sandbox_")
   uid = 1_000_000 + secrets.randbelow(1 << 30) if _IS_ROOT else None
+  token = secrets.token_hex(16).encode()
+  pipes = []
   try:
-    with open(os.path.join(workdir, "solution.py"), "w") as f:
-      f.write(source)
-    with open(os.path.join(workdir, "launcher.py"), "w") as f:
-      f.write(_LAUNCHER)
-    if uid is not None:
-      os.chown(workdir, uid, uid)
-      os.chmod(workdir, 0o700)
-      os.chmod(os.path.join(workdir, "solution.py"), 0o644)
+    files = {"solution.py": source}
+    with open(_HARNESS_FILE) as f:
+      files["harness.py"] = f.read()
+    if assertions is not None:
+      files["tests.json"] = json.dumps(list(assertions))
+    for name, content in files.items():
+      with open(os.path.join(workdir, name), "w") as f:
+        f.write(content)
+    status_r, status_w = os.pipe()
+    token_r, token_w = os.pipe()
+    result_r, result_w = os.pipe()
+    pipes = [status_r, status_w, token_r, token_w, result_r, result_w]
+    os.write(token_w, token)
+    program_fds = [token_r, result_w] if assertions is not None else []
+    python = sandbox_python()
     config = {"uid": uid, "cpu_s": int(limits.cpu_time_s), "memory_bytes": int(limits.memory_mb) << 20,
               "file_bytes": int(limits.max_file_mb) << 20, "nproc": _nproc_limit(limits.max_processes),
-              "guards": bool(limits.python_guards)}
+              "workdir_bytes": int(limits.max_workdir_mb) << 20, "files": sorted(files),
+              "status_fd": status_w, "program_fds": program_fds, "python": python,
+              "harness": {"guards": bool(limits.python_guards), "token_fd": token_r,
+                          "result_fd": result_w,
+                          "tests_file": "tests.json" if assertions is not None else None}}
     env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",
            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -252,23 +278,34 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
       inp.seek(0)
       start = time.monotonic()
       process = subprocess.Popen(
-          [sandbox_python(), "-I", os.path.join(workdir, "launcher.py"), json.dumps(config)],
+          [python, "-I", _LAUNCHER_FILE, json.dumps(config)],
           cwd=workdir, env=env, stdin=inp, stdout=out, stderr=err, start_new_session=True,
-          close_fds=True)
+          pass_fds=(status_w, token_r, result_w))
+      for fd in (status_w, token_w, token_r, result_w):  # only the sandbox holds these now
+        os.close(fd)
+        pipes.remove(fd)
       try:
-        returncode = process.wait(timeout=limits.wall_time_s)
+        process.wait(timeout=limits.wall_time_s)
         timed_out = False
       except subprocess.TimeoutExpired:
-        returncode, timed_out = None, True
+        timed_out = True
       elapsed = time.monotonic() - start
       killed = _kill_everything(process, uid)
       process.wait()
       stdout = _read_capped(out, limits.max_output_chars)
       stderr = _read_capped(err, limits.max_output_chars)
+    status = _read_available(status_r, 1 << 16).decode("utf-8", errors="replace")
+    result = _read_available(result_r, 1 << 10)
+    returncode = _parse_status(status, process.returncode, stderr, timed_out)
+    if timed_out:
+      returncode = None
     escaped = _remove_escaped_files(uid, workdir) if uid is not None else []
     return RunResult(returncode=returncode, stdout=stdout, stderr=stderr, timed_out=timed_out,
-                     elapsed_s=elapsed, uid=uid, killed_processes=killed, escaped_files=escaped)
+                     elapsed_s=elapsed, uid=uid, killed_processes=killed, escaped_files=escaped,
+                     assertions_passed=assertions is not None and returncode == 0 and result == token)
   finally:
+    for fd in pipes:
+      os.close(fd)
     shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -297,15 +334,18 @@ def run_tests(program: str, test_cases: Sequence, limits: SandboxLimits = Sandbo
   first_failure = ""
   for i, case in enumerate(test_cases):
     if isinstance(case, str):
-      result = run_program(program + "\n\n" + case + "\n", "", limits)
-      ok = result.returncode == 0
+      result = run_program(program, "", limits, assertions=[case])
+      ok = result.assertions_passed
     else:
       result = run_program(program, str(case["input"]), limits)
       ok = result.returncode == 0 and _same_output(result.stdout, str(case["output"]))
     passed += ok
     timeouts += result.timed_out
     if not ok and not first_failure:
-      why = "timed out" if result.timed_out else f"exit code {result.returncode}"
+      why = ("timed out" if result.timed_out else
+             f"exit code {result.returncode}" if result.returncode != 0 else
+             "exited 0 before the assertions completed" if isinstance(case, str) else
+             "wrong output")
       first_failure = f"test {i}: {why}; stderr tail: {result.stderr[-300:]!r}"
   return TestOutcome(passed=passed, total=len(test_cases), timeouts=timeouts, message=first_failure)
 

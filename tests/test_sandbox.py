@@ -4,7 +4,6 @@ The harmful programs are bounded so that a failure of the sandbox cannot take
 down a shared 2-core machine: small process and memory limits, 2 s walls.
 """
 import dataclasses
-import glob
 import os
 import socket
 import tempfile
@@ -23,23 +22,26 @@ IO_TESTS = [{"input": "3\n", "output": "6\n"}, {"input": "21", "output": "42"},
             {"input": "-4\n", "output": "-8"}]
 
 
-def leftover_workdirs():
-  return set(glob.glob(os.path.join(tempfile.gettempdir(), "ba_jax_sandbox_*")))
-
-
-def assert_nothing_left(result, workdirs_before):
-  if result.uid is not None:
-    assert sandbox._live_processes(-1, result.uid) == [], "processes of the sandbox uid survive"
-  assert leftover_workdirs() <= workdirs_before, "the private temp dir was not removed"
-
-
 def run(source, stdin="", **overrides):
   limits = dataclasses.replace(LIMITS, **overrides)
-  before = leftover_workdirs()
-  start = time.monotonic()
-  result = sandbox.run_program(source, stdin, limits)
-  assert_nothing_left(result, before)
-  return result, time.monotonic() - start
+  created = []
+  mkdtemp = tempfile.mkdtemp
+
+  def recording_mkdtemp(*args, **kwargs):  # other sessions' sandboxes share /tmp
+    created.append(mkdtemp(*args, **kwargs))
+    return created[-1]
+
+  sandbox.tempfile.mkdtemp = recording_mkdtemp
+  try:
+    start = time.monotonic()
+    result = sandbox.run_program(source, stdin, limits)
+    elapsed = time.monotonic() - start
+  finally:
+    sandbox.tempfile.mkdtemp = mkdtemp
+  if result.uid is not None:
+    assert sandbox._live_processes(-1, result.uid) == [], "processes of the sandbox uid survive"
+  assert len(created) == 1 and not os.path.exists(created[0]), "the run's temp dir was not removed"
+  return result, elapsed
 
 
 def test_passing_and_failing_programs():
@@ -96,34 +98,29 @@ def test_fork_bomb_is_contained_and_reaped(escape_session):
   result, elapsed = run(bomb)
   assert result.timed_out and elapsed < LIMITS.wall_time_s + SLACK_S
   if IS_ROOT:
-    assert 0 < result.killed_processes < LIMITS.max_processes  # RLIMIT_NPROC held
+    # RLIMIT_NPROC held: at most max_processes of the program's, plus the namespace's init.
+    assert 0 < result.killed_processes <= LIMITS.max_processes + 1
   assert rewards.score_code([bomb], [IO_TESTS[:1]], limits=LIMITS).scores.tolist() == [0.0]
 
 
 @pytest.mark.parametrize("guards", [True, False])
-def test_write_outside_the_temp_dir_is_blocked_or_removed(tmp_path, guards):
-  if not guards and not IS_ROOT:
-    pytest.skip("without the Python guards only a dropped uid (root) protects the file system")
+def test_write_outside_the_temp_dir_is_blocked(tmp_path, guards):
   shared = os.path.join(tempfile.gettempdir(), f"ba_jax_escape_{os.getpid()}_{guards}.txt")
   private = tmp_path / "victim.txt"  # a root-owned directory
   program = (f"import os\ntry:\n    open({str(private)!r}, 'w').write('pwned')\nexcept OSError:\n"
              f"    pass\nopen({shared!r}, 'w').write('pwned')\nprint(42)\n")
   result, _ = run(program, python_guards=guards)
   assert not private.exists() and not os.path.exists(shared)
-  if guards:
-    assert result.returncode != 0 and "writing outside" in result.stderr
-  else:
-    assert result.escaped_files == [shared]  # written by the dropped uid, then removed
+  assert result.returncode != 0 and result.escaped_files == []
+  assert ("writing outside" if guards else "Read-only file system") in result.stderr
   batch = rewards.score_code([program], [[{"input": "", "output": "42"}]],
                              limits=dataclasses.replace(LIMITS, python_guards=guards))
   assert not os.path.exists(shared)
-  assert batch.scores.tolist() == ([0.0] if guards else [1.0])  # blocked write -> crash -> 0
+  assert batch.scores.tolist() == [0.0]  # blocked write -> crash -> 0
 
 
 @pytest.mark.parametrize("guards", [True, False])
 def test_network_socket_attempt_fails(guards):
-  if not guards and not IS_ROOT:
-    pytest.skip("without the Python guards only the network namespace (root) blocks sockets")
   server = socket.socket()
   server.bind(("127.0.0.1", 0))
   server.listen(1)
