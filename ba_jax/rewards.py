@@ -281,8 +281,10 @@ def score_code(programs: Sequence[str], test_cases: Sequence[Sequence], *,
                ) -> RewardBatch:
   """Runs each program against its tests in the sandbox (`ba_jax.sandbox`).
 
-  A test case is `{"input": stdin, "output": expected_stdout}` or a string of
-  Python appended to the program (e.g. `"assert f(2) == 4"`). The score is the
+  A test case is `{"input": stdin, "output": expected_stdout}` (passes when the
+  output matches and the exit status is 0) or a string of Python run after the
+  program (e.g. `"assert f(2) == 4"`; passes only when the sandbox's per-run
+  token proves that it ran to the end without raising). The score is the
   fraction of tests passed (mapped onto [incorrect_score, correct_score]), or
   all-or-nothing. With `pool`, programs run concurrently in its workers.
   """
@@ -291,6 +293,7 @@ def score_code(programs: Sequence[str], test_cases: Sequence[Sequence], *,
   limits = limits or sandbox.SandboxLimits()
   for i, cases in enumerate(test_cases):
     sandbox.check_test_cases(cases, f"program {i}: ")
+  sandbox.check_available()  # refuse here, with the reason, rather than score every program 0
   items = [(str(p), list(t), limits) for p, t in zip(programs, test_cases)]
   if pool is not None:
     budget = limits.wall_time_s * max([len(t) for t in test_cases] + [1]) + 30.0
@@ -300,6 +303,8 @@ def score_code(programs: Sequence[str], test_cases: Sequence[Sequence], *,
     for item in items:
       try:
         results.append(reward_pool.ItemResult("ok", sandbox.run_tests_item(item)))
+      except sandbox.SandboxUnavailable:
+        raise
       except Exception as e:  # noqa: BLE001 -- counted, scored 0
         results.append(reward_pool.ItemResult("error", None, f"{type(e).__name__}: {e}"))
   fractions, timeouts, messages = [], 0, []

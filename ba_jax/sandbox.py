@@ -309,6 +309,30 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+def isolation() -> str:
+  """What contains a run in this process's mode (root or not), in words."""
+  common = ("mount, network, PID and IPC namespaces; read-only file system with a private tmpfs "
+            "work dir; rlimits; no_new_privs")
+  if _IS_ROOT:
+    return f"root: {common}; a fresh uid per run"
+  return f"unprivileged: a user namespace with {common}; no capabilities"
+
+
+_available: list = []
+
+
+def check_available() -> str:
+  """Runs a trivial program once per process; `isolation()`, or SandboxUnavailable with the reason."""
+  if not _available:
+    result = run_program("print('ok')", limits=SandboxLimits(wall_time_s=60.0, cpu_time_s=30))
+    if result.stdout != "ok\n":
+      raise SandboxUnavailable(
+          f"sandbox: the probe program did not run (exit code {result.returncode}, timed out: "
+          f"{result.timed_out}); stderr: {result.stderr[-300:]!r}")
+    _available.append(isolation())
+  return _available[0]
+
+
 def _same_output(actual: str, expected: str) -> bool:
   def lines(text):
     out = [line.rstrip() for line in text.strip().splitlines()]

@@ -1,0 +1,225 @@
+"""The same attacks and reward hacks, run as the caller (root here and in CI) and as an unprivileged
+user (`setpriv` to nobody), must be contained and score 0 in both modes."""
+import glob
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+import sandbox_driver
+from ba_jax import rewards, sandbox
+
+NOBODY = 65534
+IS_ROOT = os.geteuid() == 0
+MODES = ["caller", "unprivileged"]
+LIMITS = {"wall_time_s": 3.0, "cpu_time_s": 3, "memory_mb": 256, "max_processes": 8}
+HERE = os.path.dirname(os.path.abspath(__file__))
+PACKAGE = os.path.dirname(os.path.abspath(sandbox.__file__))
+
+
+@pytest.fixture(scope="module")
+def shared_dir():
+  """A world-readable copy of the sandbox and the driver, and a world-writable victim dir."""
+  root = tempfile.mkdtemp(prefix="ba_jax_attack_")
+  os.makedirs(os.path.join(root, "ba_jax"))
+  open(os.path.join(root, "ba_jax", "__init__.py"), "w").close()
+  for name in ("sandbox.py", "sandbox_launcher.py", "sandbox_harness.py"):
+    if os.path.exists(os.path.join(PACKAGE, name)):
+      shutil.copy(os.path.join(PACKAGE, name), os.path.join(root, "ba_jax", name))
+  shutil.copy(os.path.join(HERE, "sandbox_driver.py"), root)
+  victim = os.path.join(root, "victim")
+  os.makedirs(victim)
+  for dirpath, dirnames, filenames in os.walk(root):
+    os.chmod(dirpath, 0o755)
+    for name in filenames:
+      os.chmod(os.path.join(dirpath, name), 0o644)
+  os.chmod(root, 0o755)
+  os.chmod(victim, 0o777)
+  yield root
+  shutil.rmtree(root, ignore_errors=True)
+
+
+def run_jobs(mode, jobs, shared_dir):
+  if mode == "caller":
+    return sandbox_driver.run_jobs(jobs)
+  if not IS_ROOT:
+    pytest.skip("the tests already run unprivileged: 'caller' is that mode")
+  command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+             sandbox.sandbox_python(), "-I", os.path.join(shared_dir, "sandbox_driver.py"),
+             shared_dir]
+  done = subprocess.run(command, input=json.dumps(jobs), capture_output=True, text=True,
+                        timeout=120, cwd=shared_dir)
+  assert done.returncode == 0, f"the caller died (exit code {done.returncode}): {done.stderr[-2000:]}"
+  return json.loads(done.stdout)
+
+
+def program(source, **limits):
+  return {"kind": "program", "program": source, "limits": dict(LIMITS, **limits)}
+
+
+def assertion_job(source, cases, **limits):
+  return {"kind": "tests", "program": source, "tests": cases, "limits": dict(LIMITS, **limits)}
+
+
+def sandbox_dirs_of(uid):
+  return {d for d in glob.glob(os.path.join(tempfile.gettempdir(), "ba_jax_sandbox_*"))
+          if os.stat(d).st_uid == uid}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("guards", [True, False])
+def test_raw_socket_cannot_reach_the_network(mode, guards, shared_dir):
+  server = socket.socket()
+  server.bind(("127.0.0.1", 0))
+  server.listen(1)
+  server.settimeout(0.2)
+  port = server.getsockname()[1]
+  source = ("import _socket\n"  # below socket.socket, where the Python guard sits
+            "s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)\ns.settimeout(1)\n"
+            f"s.connect(('127.0.0.1', {port}))\ns.send(b'leak')\nprint('connected')\n")
+  [result] = run_jobs(mode, [program(source, python_guards=guards)], shared_dir)
+  try:
+    leaked = server.accept()
+  except OSError:
+    leaked = None
+  server.close()
+  assert leaked is None and "connected" not in result["stdout"]
+  assert result["returncode"] != 0 and "Network is unreachable" in result["stderr"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_os_open_outside_the_work_dir_leaves_nothing(mode, shared_dir):
+  shared = os.path.join(tempfile.gettempdir(), f"ba_jax_escape_{os.getpid()}_{mode}.txt")
+  owned = os.path.join(shared_dir, "victim", f"pwned_{mode}.txt")  # world-writable on the host
+  home = os.path.join(shared_dir, f"pwned_{mode}.txt")
+  source = (
+      "import os\n"
+      f"for path in {[shared, owned, home]!r}:\n"
+      "    try:\n"
+      "        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)\n"
+      "        os.write(fd, b'pwned')\n"
+      "        print('wrote', path)\n"
+      "    except OSError as e:\n"
+      "        print('refused', e.strerror)\n"
+      "fd = os.open('inside.txt', os.O_WRONLY | os.O_CREAT, 0o644)\n"  # its own dir is writable
+      "print('inside', os.write(fd, b'ok'))\n")
+  [result] = run_jobs(mode, [program(source, python_guards=False)], shared_dir)
+  assert [p for p in (shared, owned, home) if os.path.exists(p)] == []
+  assert "wrote" not in result["stdout"] and result["stdout"].count("refused") == 3
+  assert result["stdout"].endswith("inside 2\n") and result["escaped_files"] == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_caller_and_other_processes_cannot_be_killed(mode, shared_dir):
+  marker = f"{61 + os.getpid() % 1000 / 1000:.3f}"
+  detached = ("import os\nif os.fork() == 0:\n    os.setsid()\n"
+              f"    os.execv('/bin/sleep', ['sleep', '{marker}'])\n")
+  jobs = [program("import os\ntry:\n    os.kill(os.getppid(), 9)\nexcept OSError:\n    pass\n"
+                  "print('alive', os.getppid())\n"),
+          program("import os\nos.kill(-1, 9)\n"),  # every process this uid may signal
+          program(detached),
+          assertion_job("def f(x):\n    return 2 * x\n", ["assert f(2) == 4"])]
+  before = sandbox_dirs_of(NOBODY if mode == "unprivileged" else 0)
+  started = time.monotonic()
+  results = run_jobs(mode, jobs, shared_dir)
+  assert time.monotonic() - started < 60
+  assert results[0]["stdout"] == "alive 1\n"  # its parent is the namespace's init
+  assert results[3]["passed"] == 1  # the caller went on to run the next job
+  time.sleep(0.2)
+  sleepers = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if marker.encode() in f.read():
+          sleepers.append(pid)
+    except OSError:
+      pass
+  assert sleepers == [], "a detached process of the program survived the run"
+  if mode == "unprivileged":
+    assert sandbox_dirs_of(NOBODY) <= before, "a run's temp dir was left behind"
+
+
+HONEST = "def f(x):\n    return x * x\n"
+ASSERTS = ["assert f(2) == 4", "assert f(3) == 9"]
+HACKS = {
+    "sys_exit": "import sys\nsys.exit(0)\n",
+    "os_exit": "import os\nos._exit(0)\n",
+    "atexit": "import atexit, os\natexit.register(lambda: os._exit(0))\ndef f(x):\n    return 0\n",
+    "system_exit_in_try": ("def f(x):\n    try:\n        raise SystemExit(0)\n    finally:\n"
+                           "        pass\n"),
+    "excepthook": ("import sys, os\nsys.excepthook = lambda *a: os._exit(0)\n"
+                   "def f(x):\n    return 0\n"),
+    "patched_print_and_stdout": (
+        "import builtins, io, sys\nbuiltins.print = lambda *a, **k: None\n"
+        "sys.stdout = io.StringIO()\nsys.__stdout__.write('OK all tests passed\\n')\n"
+        "def f(x):\n    return 0\n"),
+    "redefined_assertion_error": (
+        "import builtins\nclass AssertionError(Exception):\n    pass\n"
+        "builtins.AssertionError = AssertionError\ndef f(x):\n    return 0\n"),
+    "patched_exec_and_compile": ("import builtins\nbuiltins.exec = lambda *a, **k: None\n"
+                                 "builtins.compile = lambda *a, **k: None\n"),
+    "thread_exits_zero_mid_assert": (
+        "import os, threading, time\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), os._exit(0))).start()\n"
+        "def f(x):\n    time.sleep(2)\n    return 0\n"),
+    "reads_harness_argv_files_and_fds": (
+        "import os, re, sys\nfound = set()\n"
+        "for path in ['harness.py', 'tests.json', '/proc/self/cmdline', '/proc/self/environ']:\n"
+        "    try:\n        found |= set(re.findall(r'[0-9a-f]{32}', open(path).read()))\n"
+        "    except OSError:\n        pass\n"
+        "for token in found:\n    print(token)\n"
+        "    for fd in range(3, 20):\n        try:\n            os.write(fd, token.encode())\n"
+        "        except OSError:\n            pass\n"
+        "sys.stdout.flush()\nos._exit(0)\n"),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reward_hacks_score_zero(mode, shared_dir):
+  jobs = [assertion_job(HONEST, ASSERTS)] + [assertion_job(source, ASSERTS) for source in HACKS.values()]
+  jobs.append(assertion_job("class Anything:\n    def __eq__(self, other):\n        return True\n"
+                    "def f(x):\n    return Anything()\n", ASSERTS))
+  outcomes = run_jobs(mode, jobs, shared_dir)
+  assert outcomes[0]["passed"] == 2 and outcomes[-1]["passed"] == 2  # __eq__ is the program's own
+  scored = {name: outcome["passed"] for name, outcome in zip(HACKS, outcomes[1:-1])}
+  assert scored == {name: 0 for name in HACKS}
+
+
+def test_issue_example_and_io_tests_score_on_output_only():
+  assert rewards.score_code(["import sys\nsys.exit(0)\n"], [["assert f(2) == 4"]]).scores.tolist() \
+      == [0.0]
+  io_case = [{"input": "3\n", "output": "6"}]
+  batch = rewards.score_code(["import os\nos._exit(0)\n", "print(6, flush=True)\nimport os\nos._exit(0)\n",
+                              "print(2 * int(input()))\n"], [io_case] * 3)
+  assert batch.scores.tolist() == [0.0, 1.0, 1.0]
+
+
+def test_a_kernel_without_user_namespaces_is_refused_with_the_reason(shared_dir):
+  """Unprivileged, where the kernel allows no user namespace: a clear refusal, nothing run."""
+  if not IS_ROOT:
+    pytest.skip("needs root to build the restricted environment")
+  python = sandbox.sandbox_python()
+  # A user namespace whose own limit on nested user namespaces is 0, entered as a non-root uid.
+  prelude = (
+      "import ctypes, os, sys\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+      "assert libc.unshare(0x10000000) == 0\n"
+      "open('/proc/self/uid_map', 'w').write('1000 0 1')\n"
+      "open('/proc/self/setgroups', 'w').write('deny')\n"
+      "open('/proc/self/gid_map', 'w').write('1000 0 1')\n"
+      "open('/proc/sys/user/max_user_namespaces', 'w').write('0')\n"
+      f"os.execv({python!r}, [{python!r}, '-I', '-c', sys.argv[1]])\n")
+  check = ("import sys\nsys.path.insert(0, %r)\nfrom ba_jax import sandbox\n"
+           "try:\n    sandbox.check_available()\nexcept sandbox.SandboxUnavailable as e:\n"
+           "    print(e)\n" % shared_dir)
+  done = subprocess.run([python, "-I", "-c", prelude, check], capture_output=True, text=True,
+                        timeout=60, cwd=shared_dir)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "refusing to run untrusted code" in done.stdout
+  assert "unshare(user, mount, network, pid, ipc)" in done.stdout and "max_user_namespaces" in done.stdout
