@@ -165,9 +165,9 @@ def _remove_escaped_files(uid: int, workdir: str) -> list[str]:
 
 def _nproc_limit(max_processes: int) -> int:
   if _IS_ROOT:
-    return max_processes
-  # RLIMIT_NPROC counts every process of the real uid, so leave room for those running now.
-  return sum(1 for e in os.listdir("/proc") if e.isdigit()) + max_processes
+    return max_processes  # the run's fresh uid has no other process
+  # Counted per user namespace (Linux >= 5.14): the launcher and the init share the program's.
+  return max_processes + 2
 
 
 _PROBE = ("import os; os.setgroups([]); os.setgid({uid}); os.setuid({uid}); "

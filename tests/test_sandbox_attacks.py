@@ -117,6 +117,15 @@ def test_os_open_outside_the_work_dir_leaves_nothing(mode, shared_dir):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_processes_are_bounded(mode, shared_dir):
+  source = ("import os, time\nn = 0\nfor i in range(40):\n    try:\n        if os.fork() == 0:\n"
+            "            time.sleep(5)\n            os._exit(0)\n        n += 1\n"
+            "    except OSError:\n        break\nprint(n)\n")
+  [result] = run_jobs(mode, [program(source)], shared_dir)
+  assert int(result["stdout"]) == LIMITS["max_processes"] - 1  # the program itself is one
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_the_caller_and_other_processes_cannot_be_killed(mode, shared_dir):
   marker = f"{61 + os.getpid() % 1000 / 1000:.3f}"
   detached = ("import os\nif os.fork() == 0:\n    os.setsid()\n"
