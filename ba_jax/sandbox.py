@@ -41,7 +41,6 @@ _IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LAUNCHER_FILE = os.path.join(_HERE, "sandbox_launcher.py")
 _HARNESS_FILE = os.path.join(_HERE, "sandbox_harness.py")
-_SETUP_FAILED = 125
 
 
 class SandboxUnavailable(RuntimeError):
@@ -224,8 +223,10 @@ def _parse_status(status: str, launcher_rc: int | None, stderr: str, timed_out: 
     reason = errors[0][len("error: "):] if errors else (
         f"the launcher exited with code {launcher_rc} before setting up; stderr: {stderr[-300:]!r}")
     raise SandboxUnavailable(
-        f"sandbox: refusing to run untrusted code: {reason}. It needs Linux >= 5.12 with "
-        f"{'mount/network/PID namespaces' if _IS_ROOT else 'unprivileged user namespaces'}")
+        f"sandbox: refusing to run untrusted code: {reason}. It needs Linux >= 5.12 and "
+        + ("CAP_SYS_ADMIN for mount/network/PID namespaces" if _IS_ROOT else
+           "unprivileged user namespaces (sysctl user.max_user_namespaces > 0; on Ubuntu >= "
+           "23.10 also kernel.apparmor_restrict_unprivileged_userns=0)"))
   for line in lines[1:]:
     kind, _, value = line.partition(" ")
     if kind == "exit":

@@ -11,6 +11,10 @@ import sys
 
 def run_jobs(jobs):
   from ba_jax import sandbox
+  try:
+    sandbox.check_available()
+  except sandbox.SandboxUnavailable as e:
+    return {"refused": str(e)}
   out = []
   for job in jobs:
     limits = sandbox.SandboxLimits(**job.get("limits", {}))
