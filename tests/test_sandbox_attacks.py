@@ -5,9 +5,7 @@ import json
 import os
 import shutil
 import socket
-import stat
 import subprocess
-import sys
 import tempfile
 import time
 
