@@ -11,8 +11,9 @@ environment or memory) until then, so exiting 0 early (`sys.exit`,
 `os._exit`, `atexit`, SystemExit caught in a `try`), printing, patching
 `print`/`sys.stdout`/`AssertionError`/`exec`, or a thread, cannot produce
 it; any exception ends the process at once with status 1, so no hook of the
-program runs after a failed assertion. What remains is a program written
-against this harness that reads the token pipe itself (see the README).
+program runs after a failed assertion, and trace functions (which could jump
+over an assertion) are refused. What remains is code written against this
+harness: reading the token pipe itself, or rewriting the interpreter's memory.
 """
 import builtins
 import io
@@ -47,12 +48,22 @@ def install_guards(root):
   socket.socket = NoNetwork
 
 
+_BLOCKED_EVENTS = frozenset({"sys.settrace", "sys.setprofile", "sys.monitoring.register_callback"})
+
+
+def _refuse_tracing(event, args):
+  # A trace function may jump over lines (an assertion) or rewrite the harness's locals.
+  if event in _BLOCKED_EVENTS:
+    raise RuntimeError(f"sandbox: {event} is not allowed while assertion tests run")
+
+
 def run_assertions(tests, token_fd, result_fd):
   # Bound before the program runs, so that rebinding names in builtins/os cannot touch them.
   exit_, read, write, compile_, exec_ = os._exit, os.read, os.write, compile, exec
   print_exc = traceback.print_exc
   with open("solution.py", encoding="utf-8") as f:
     source = f.read()
+  sys.addaudithook(_refuse_tracing)  # cannot be removed once added
   module = types.ModuleType("__main__")
   module.__file__ = os.path.abspath("solution.py")
   sys.modules["__main__"] = module
@@ -79,7 +90,7 @@ def main():
   tests = None
   if cfg["tests_file"]:
     with open(cfg["tests_file"], encoding="utf-8") as f:
-      tests = json.load(f)
+      tests = tuple(json.load(f))  # immutable: the program cannot empty it
     os.unlink(cfg["tests_file"])  # the program cannot read the assertions it is judged by
   if cfg["guards"]:
     install_guards(root)

@@ -182,6 +182,14 @@ HACKS = {
         "import os, threading, time\n"
         "threading.Thread(target=lambda: (time.sleep(0.2), os._exit(0))).start()\n"
         "def f(x):\n    time.sleep(2)\n    return 0\n"),
+    "trace_function_disables_the_harness_exec": (  # forges a pass when tracing is allowed
+        "import sys\ndef f(x):\n    return 0\n"
+        "def tracer(frame, event, arg):\n"
+        "    if event == 'line' and 'exec_' in frame.f_locals:\n"
+        "        frame.f_locals['exec_'] = lambda *args: None\n"
+        "    return tracer\n"
+        "harness = sys._getframe(1)\nharness.f_trace = tracer\nharness.f_trace_lines = True\n"
+        "try:\n    sys.settrace(tracer)\nexcept RuntimeError:\n    pass\n"),
     "reads_harness_argv_files_and_fds": (
         "import os, re, sys\nfound = set()\n"
         "for path in ['harness.py', 'tests.json', '/proc/self/cmdline', '/proc/self/environ']:\n"
