@@ -99,6 +99,29 @@ def test_raw_socket_cannot_reach_the_network(mode, guards, shared_dir):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_unix_sockets_of_the_host_are_out_of_reach(mode, shared_dir):
+  path = os.path.join(tempfile.gettempdir(), f"ba_jax_attack_{os.getpid()}_{mode}.sock")
+  server = socket.socket(socket.AF_UNIX)
+  server.bind(path)
+  os.chmod(path, 0o777)  # anyone on the host may connect
+  server.listen(1)
+  server.settimeout(0.2)
+  source = ("import _socket\ns = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)\n"
+            f"s.connect({path!r})\ns.send(b'leak')\nprint('connected')\n")
+  try:
+    [result] = run_jobs(mode, [program(source)], shared_dir)
+    try:
+      leaked = server.accept()
+    except OSError:
+      leaked = None
+  finally:
+    server.close()
+    os.unlink(path)
+  assert leaked is None and "connected" not in result["stdout"]
+  assert "No such file or directory" in result["stderr"]  # /tmp is an empty tmpfs in the sandbox
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_os_open_outside_the_work_dir_leaves_nothing(mode, shared_dir):
   shared = os.path.join(tempfile.gettempdir(), f"ba_jax_escape_{os.getpid()}_{mode}.txt")
   owned = os.path.join(shared_dir, "victim", f"pwned_{mode}.txt")  # world-writable on the host
