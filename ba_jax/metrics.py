@@ -71,7 +71,6 @@ class MetricsLogger:
     self.enabled, self.workdir = enabled, workdir
     self._pending: tuple[int, Any, dict] | None = None
     self.history: list[dict] = []
-    self.on_record = None  # called with each record after it is written
     self._tb = self._bar = None
     if not enabled:
       return
@@ -85,22 +84,25 @@ class MetricsLogger:
       self._bar = tqdm.tqdm(total=total_steps, initial=first_step,
                             desc="GRPO", dynamic_ncols=True, file=sys.stdout)
 
-  def push(self, step: int, device_metrics: Any, host_metrics: dict) -> None:
-    """Queues this step's metrics and writes the previous step's."""
-    self.flush()
+  def push(self, step: int, device_metrics: Any, host_metrics: dict
+           ) -> dict | None:
+    """Queues this step's metrics; writes and returns the previous step's
+    record (None at the first push)."""
+    record = self.flush()
     self._pending = (step, device_metrics, host_metrics)
+    return record
 
-  def flush(self) -> None:
+  def flush(self) -> dict | None:
+    """Writes and returns the queued record, if any."""
     if self._pending is None:
-      return
+      return None
     step, device_metrics, host_metrics = self._pending
     self._pending = None
     fetched = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
     record = dict(step=step, **host_metrics, **fetched,
                   **weight_shares(fetched))
     self.write(record)
-    if self.on_record is not None:
-      self.on_record(record)
+    return record
 
   def write(self, record: dict) -> None:
     self.history.append(record)

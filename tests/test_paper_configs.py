@@ -10,7 +10,7 @@ from ml_collections import config_flags
 
 from ba_jax import aggregation
 from ba_jax import model as model_lib
-from ba_jax import trainer
+from ba_jax import run_setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # config file -> (parameters the model card states, model_type)
@@ -50,7 +50,7 @@ def test_loads_locked_and_rejects_a_typo(path):
 def test_every_aggregation_variant(path, mode):
   config = load(path, f"agg={mode}")
   assert config.loss.aggregation == mode
-  assert trainer.step_config(config).aggregation == mode
+  assert run_setup.step_config(config).aggregation == mode
 
 
 def test_unknown_variant_is_named(path):
@@ -92,7 +92,7 @@ def test_recipe(path):
   assert c.init_from and c.task.path  # placeholders the user replaces
   # 512 prompts x 16 responses split into whole groups, micro-batches and
   # the 16 batch shards of the pod mesh on 64 devices.
-  trainer.step_config(c).check_batch(512 * 16, data_shards=16)
+  run_setup.step_config(c).check_batch(512 * 16, data_shards=16)
 
 
 def test_model_fields_build_the_model_of_the_stated_size(path):
