@@ -101,7 +101,9 @@ class DatasetTask:
                      "data; set sft.steps=0")
 
   def encode_responses(self, texts, max_len: int):
-    return self.warmup_examples(0, len(texts))  # raises: no warm-up
+    """Warm-up responses only, which this task has none of."""
+    raise ValueError(f"task.name={self.name!r} has no supervised warm-up "
+                     "data to encode; set sft.steps=0")
 
   def decode(self, tokens_NxT, mask_NxT) -> list[str]:
     return [self.tokenizer.decode(row[m.astype(bool)], skip_special_tokens=True)

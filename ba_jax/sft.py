@@ -19,7 +19,6 @@ from flax import nnx
 
 from ba_jax import train_step as ts
 from ba_jax.scoring import score_responses
-from ba_jax.train_step import tree_shardings
 
 # optax.adamw's default, which the warm-up has always used.
 WEIGHT_DECAY = 1e-4
@@ -71,8 +70,9 @@ def warmup(params, graphdef, task, *, steps: int, batch_size: int,
                  warmup_steps=warmup_steps)
   step_fn = functools.partial(_sft_step, graphdef=graphdef, tx=tx)
   if mesh is not None:
-    param_sharding = tree_shardings(params, mesh, rules)
-    opt_sharding = tree_shardings(jax.eval_shape(tx.init, params), mesh, rules)
+    param_sharding = ts.tree_shardings(params, mesh, rules)
+    opt_sharding = ts.tree_shardings(jax.eval_shape(tx.init, params), mesh,
+                                     rules)
     jitted = jax.jit(step_fn, donate_argnums=(0, 1),
                      in_shardings=(param_sharding, opt_sharding, None),
                      out_shardings=(param_sharding, opt_sharding, None))
