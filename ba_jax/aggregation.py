@@ -124,48 +124,71 @@ def aggregate(values, mask, advantages, *, mode: str, group_size: int,
   return jnp.sum(weights * jnp.asarray(values, jnp.float32))
 
 
+def signed_weights(weights_NxT, advantages_N, xp=jnp):
+  """``(W+, W-)``: the total weight on positive- and on negative-advantage
+  sequences (additive over micro-batches)."""
+  return (xp.sum(weights_NxT * (advantages_N > 0)[:, None]),
+          xp.sum(weights_NxT * (advantages_N < 0)[:, None]))
+
+
+def _ratio(num, den, xp):
+  """num / den, NaN where den == 0 (the convention for undefined values)."""
+  defined = den > 0
+  return xp.where(defined, num / xp.where(defined, den, 1.0), xp.nan)
+
+
+def positive_share(w_pos, w_neg, xp=jnp):
+  """``W+ / (W+ + W-)``; NaN when neither subset has weight."""
+  return _ratio(w_pos, w_pos + w_neg, xp)
+
+
+def length_diagnostics(lengths_N, advantages_N, *, group_size: int,
+                       xp=jnp) -> dict:
+  """Response-length statistics of DESIGN.md section 1, from float lengths
+  [N] (``xp``: jax.numpy on device, numpy on the host).
+
+  ``pos_frac``: positive sequences among those with a non-zero advantage.
+  ``length_cv``: within-group coefficient of variation of length
+  (population std over mean), averaged over the groups with a non-zero
+  mean. ``mean_len_pos``/``mean_len_neg``: mean length of the positive and
+  negative sequences; ``length_gap`` their difference and
+  ``length_gap_rel`` that divided by their average. A statistic with
+  nothing to measure (no signed sequence, an empty subset, no group with a
+  length) is NaN, never a misleading 0.
+  """
+  pos_N = (advantages_N > 0).astype(lengths_N.dtype)
+  neg_N = (advantages_N < 0).astype(lengths_N.dtype)
+  count_pos, count_neg = pos_N.sum(), neg_N.sum()
+  lengths_GxS = lengths_N.reshape(-1, group_size)
+  mean_G = lengths_GxS.mean(-1)
+  has_length_G = (mean_G > 0).astype(lengths_N.dtype)
+  cv_G = xp.where(mean_G > 0, lengths_GxS.std(-1) / xp.maximum(mean_G, 1e-9),
+                  0.0)
+  mean_len_pos = _ratio(xp.sum(lengths_N * pos_N), count_pos, xp)
+  mean_len_neg = _ratio(xp.sum(lengths_N * neg_N), count_neg, xp)
+  gap = mean_len_pos - mean_len_neg
+  return {
+      "pos_frac": _ratio(count_pos, count_pos + count_neg, xp),
+      "length_cv": _ratio(xp.sum(cv_G * has_length_G), has_length_G.sum(), xp),
+      "length_gap": gap,
+      "length_gap_rel": _ratio(gap, 0.5 * (mean_len_pos + mean_len_neg), xp),
+      "mean_len_pos": mean_len_pos,
+      "mean_len_neg": mean_len_neg,
+  }
+
+
 def diagnostics(weights, mask, advantages, *, group_size: int) -> dict:
   """What the aggregation rule does to positive and negative responses.
 
-  ``w_pos``/``w_neg`` are the total weights on the positive- and
-  negative-advantage sequences (additive over micro-batches);
-  ``pos_share = w_pos / (w_pos + w_neg)`` sits next to ``pos_frac``, the
-  fraction of positive sequences among those with a non-zero advantage; BA
-  makes the two equal whatever the lengths. ``length_cv`` is the within-group
-  coefficient of variation of response length (population std over mean,
-  averaged over groups with a non-zero mean); ``length_gap`` is the mean length
-  over positive sequences minus that over negative ones, and
-  ``length_gap_rel`` divides it by the mean length of those two subsets.
-  Undefined ratios (an empty subset) are reported as 0, never NaN.
+  ``w_pos``/``w_neg`` (``signed_weights``) and ``pos_share = w_pos / (w_pos
+  + w_neg)``, which BA makes equal to ``pos_frac`` whatever the lengths,
+  next to ``length_diagnostics``. Undefined values are NaN.
   """
   mask_NxT = jnp.asarray(mask).astype(jnp.float32)
   advantages_N = jnp.asarray(advantages).astype(jnp.float32)
   _check_layout(mask_NxT, advantages_N, group_size)
-  lengths_N = mask_NxT.sum(-1)
-  pos_N = (advantages_N > 0).astype(jnp.float32)
-  neg_N = (advantages_N < 0).astype(jnp.float32)
-  seq_weight_N = jnp.sum(weights, axis=-1)
-  w_pos = jnp.sum(seq_weight_N * pos_N)
-  w_neg = jnp.sum(seq_weight_N * neg_N)
-  count_pos, count_neg = pos_N.sum(), neg_N.sum()
-
-  lengths_GxS = lengths_N.reshape(-1, group_size)
-  mean_g = lengths_GxS.mean(-1)
-  cv_g = _safe_div(lengths_GxS.std(-1), mean_g)
-  has_length = (mean_g > 0).astype(jnp.float32)
-  mean_len_pos = _safe_div(jnp.sum(lengths_N * pos_N), count_pos)
-  mean_len_neg = _safe_div(jnp.sum(lengths_N * neg_N), count_neg)
-  both = jnp.logical_and(count_pos > 0, count_neg > 0)
-  gap = jnp.where(both, mean_len_pos - mean_len_neg, 0.0)
-  return {
-      "w_pos": w_pos,
-      "w_neg": w_neg,
-      "pos_share": _safe_div(w_pos, w_pos + w_neg),
-      "pos_frac": _safe_div(count_pos, count_pos + count_neg),
-      "length_cv": _safe_div(jnp.sum(cv_g * has_length), has_length.sum()),
-      "length_gap": gap,
-      "length_gap_rel": jnp.where(
-          both, _safe_div(gap, 0.5 * (mean_len_pos + mean_len_neg)), 0.0),
-      "mean_len_pos": mean_len_pos,
-      "mean_len_neg": mean_len_neg,
-  }
+  w_pos, w_neg = signed_weights(jnp.asarray(weights), advantages_N)
+  return {"w_pos": w_pos, "w_neg": w_neg,
+          "pos_share": positive_share(w_pos, w_neg),
+          **length_diagnostics(mask_NxT.sum(-1), advantages_N,
+                               group_size=group_size)}

@@ -1,15 +1,15 @@
-"""Orbax checkpoints of a run, resume, and the policy for evaluation/export.
+"""Orbax checkpoints of a run: save, resume, the frozen KL reference.
 
 A workdir holds ``checkpoints/<step>/`` (orbax: the TrainState, the RNG key
-and a JSON ``meta`` with the data position), ``config.json`` (the run's
-ml_collections config), ``model_config.json`` (transformers layout) and
-``tokenizer/``. Saves are asynchronous and keep the newest ``keep``; restore
-takes abstract targets carrying the *current* mesh's shardings, so a run can
-resume on a different mesh than it was saved from.
+and a JSON ``meta`` with the data position) and ``reference/`` (the KL
+reference policy); ``ba_jax.run_setup`` adds the files that describe the run
+and restores a policy from them. Saves are asynchronous and keep the newest
+``keep``; restore takes abstract targets carrying the *current* mesh's
+shardings, so a run can resume on a different mesh than it was saved from.
+This module knows orbax and JAX, nothing of the rest of ba_jax.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -114,18 +114,6 @@ class PreemptionGuard:
     return False
 
 
-def write_run_files(workdir: str, *, config_json: str, model_config,
-                    tokenizer) -> None:
-  """What ``restore_policy`` needs besides the arrays."""
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config_json)
-  with open(os.path.join(workdir, "model_config.json"), "w") as f:
-    json.dump(model_config.to_hf_dict(), f, indent=1)
-  if tokenizer is not None:
-    tokenizer.save_pretrained(os.path.join(workdir, "tokenizer"))
-
-
 def reference_params(workdir: str, params: Any, abstract_params: Any) -> Any:
   """The frozen KL reference: saved from ``params`` on a fresh run, read
   back (onto ``abstract_params``' shardings) on a resumed one, so that
@@ -140,43 +128,3 @@ def reference_params(workdir: str, params: Any, abstract_params: Any) -> Any:
     return checkpointer.restore(path, abstract_params)
   finally:
     checkpointer.close()
-
-
-def load_run_config(workdir: str):
-  """The ml_collections config a run in ``workdir`` was started with."""
-  import ml_collections
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} not found: {workdir} is not a ba_jax "
-                            "training workdir")
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
-
-
-def restore_policy(workdir: str, step: int | None = None, *, mesh_shape=None):
-  """The policy saved in ``workdir``: ``(model, model_config, tokenizer)``.
-
-  Restores the newest checkpoint (or ``step``) onto a mesh of this machine's
-  devices (``mesh_shape``, default the run's own, e.g. {"data": -1, ...}),
-  whatever mesh it was saved from.
-  """
-  from flax import nnx
-  from transformers import AutoTokenizer
-
-  from ba_jax import trainer
-
-  config = load_run_config(workdir)
-  if mesh_shape is not None:
-    config.mesh = dict(mesh_shape)
-  setup = trainer.make_setup(config)
-  ckpt = Checkpointer(workdir, keep=max(config.checkpoint.keep, 1),
-                      async_save=False)
-  try:
-    state, _ = ckpt.restore(trainer.abstract_state(setup), step)
-  finally:
-    ckpt.close()
-  model = nnx.merge(setup.graphdef, state.params)
-  tok_dir = os.path.join(workdir, "tokenizer")
-  tokenizer = (AutoTokenizer.from_pretrained(tok_dir)
-               if os.path.isdir(tok_dir) else None)
-  return model, setup.model_config, tokenizer

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from fractions import Fraction
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -369,69 +369,3 @@ def format_prompt(example: Example, template: str = "answer", tokenizer=None, *,
     return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
   raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
-
-
-# ----------------------------------------------------------------------------- iteration
-
-
-class PromptIterator:
-  """Deterministic per-epoch shuffle; each process gets a disjoint slice of every global batch.
-
-  `batch_size` is the global number of prompts per step and must divide by
-  `process_count`; the last incomplete global batch of an epoch is dropped.
-  `state_dict()` / `load_state_dict()` save and restore the exact position.
-  """
-
-  def __init__(self, examples: Sequence[Example], *, batch_size: int, seed: int,
-               process_index: int = 0, process_count: int = 1, shuffle: bool = True):
-    if batch_size < 1 or batch_size % process_count:
-      raise ValueError(f"batch_size must be a positive multiple of process_count="
-                       f"{process_count}, got {batch_size}")
-    if not 0 <= process_index < process_count:
-      raise ValueError(f"process_index must be in [0, {process_count}), got {process_index}")
-    if len(examples) < batch_size:
-      raise ValueError(f"need at least batch_size={batch_size} examples, got {len(examples)}")
-    self.examples = examples
-    self.batch_size = batch_size
-    self.seed = seed
-    self.process_index = process_index
-    self.process_count = process_count
-    self.shuffle = shuffle
-    self.steps_per_epoch = len(examples) // batch_size
-    self.epoch = 0
-    self.step_in_epoch = 0
-    self._order = self._epoch_order(0)
-
-  def _epoch_order(self, epoch: int) -> np.ndarray:
-    if not self.shuffle:
-      return np.arange(len(self.examples))
-    return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> list[Example]:
-    if self.step_in_epoch >= self.steps_per_epoch:
-      self.epoch += 1
-      self.step_in_epoch = 0
-      self._order = self._epoch_order(self.epoch)
-    start = self.step_in_epoch * self.batch_size
-    per_process = self.batch_size // self.process_count
-    start += self.process_index * per_process
-    indices = self._order[start:start + per_process]
-    self.step_in_epoch += 1
-    return [self.examples[i] for i in indices]
-
-  def state_dict(self) -> dict[str, int]:
-    return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed,
-            "num_examples": len(self.examples), "batch_size": self.batch_size}
-
-  def load_state_dict(self, state: dict) -> None:
-    for key, mine in (("seed", self.seed), ("num_examples", len(self.examples)),
-                      ("batch_size", self.batch_size)):
-      if key in state and int(state[key]) != mine:
-        raise ValueError(f"iterator state has {key}={int(state[key])} but this iterator has "
-                         f"{key}={mine}; restore with the same data and settings")
-    self.epoch = int(state["epoch"])
-    self.step_in_epoch = int(state["step_in_epoch"])
-    self._order = self._epoch_order(self.epoch)

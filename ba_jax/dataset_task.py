@@ -1,8 +1,6 @@
-"""A dataset of math problems behind the trainer's task interface.
+"""A dataset of math problems behind ``ba_jax.tasks.Task``.
 
-The same interface as ``rollout.SyntheticTask`` (``problems``,
-``encode_prompts``, ``decode``, ``grade``, ``heldout``, ``pad_id``,
-``eos_id``), for the paper's settings: DAPO-Math-17k or Polaris-53K read by
+For the paper's settings: DAPO-Math-17k or Polaris-53K read by
 ``ba_jax.data``, prompts formatted by ``data.format_prompt``, graded by
 ``ba_jax.rewards.score_math``. Training problem ``i`` comes from a per-epoch
 permutation fixed by the seed, so the data position alone resumes the
@@ -24,14 +22,19 @@ def _load(task_cfg):
     return data_lib.load_polaris(task_cfg.path,
                                  min_difficulty=task_cfg.min_difficulty,
                                  max_difficulty=task_cfg.max_difficulty)
-  raise ValueError(f"task.name={task_cfg.name!r}: expected 'synthetic_sum' or "
-                   f"one of {list(LOADERS)}")
+  raise ValueError(f"task.name={task_cfg.name!r}: expected one of "
+                   f"{list(LOADERS)}")
 
 
 class DatasetTask:
+  """Prompts from a math dataset, held-out problems from benchmarks; no
+  warm-up data. Registered as each of ``LOADERS``."""
+
+  has_warmup = False
 
   def __init__(self, task_cfg, eval_cfg, *, seed: int, tokenizer,
                max_prompt_len: int):
+    self.name = task_cfg.name
     self.cfg, self.seed, self.tokenizer = task_cfg, seed, tokenizer
     self.max_prompt_len = max_prompt_len
     tokenizer.padding_side = "left"
@@ -55,6 +58,21 @@ class DatasetTask:
       self.heldout.extend(bench[:n])
     self._orders: dict[int, np.ndarray] = {}
 
+  @classmethod
+  def from_config(cls, config, tokenizer) -> "DatasetTask":
+    return cls(config.task, config.eval, seed=config.seed,
+               tokenizer=tokenizer, max_prompt_len=config.task.max_prompt_len)
+
+  @staticmethod
+  def build_tokenizer(config):
+    del config  # the policy's own (init_from) tokenizer
+    return None
+
+  @staticmethod
+  def max_warmup_response_tokens(task_cfg) -> int:
+    del task_cfg
+    return 0
+
   def _format(self, example) -> str:
     return data_lib.format_prompt(example, self.cfg.template, self.tokenizer,
                                   chat_rule=self.cfg.rule)
@@ -65,10 +83,7 @@ class DatasetTask:
           [self.seed, epoch]).permutation(len(self.examples))}
     return self._orders[epoch]
 
-  def problems(self, start: int, n: int, stream: int = 0):
-    if stream:
-      raise ValueError("dataset tasks have no supervised warm-up data; set "
-                       "sft.steps=0")
+  def problems(self, start: int, n: int):
     size = len(self.examples)
     return [self.examples[self._order(i // size)[i % size]]
             for i in range(start, start + n)]
@@ -80,6 +95,15 @@ class DatasetTask:
                          return_tensors="np")
     return (enc["input_ids"].astype(np.int32),
             enc["attention_mask"].astype(np.int32))
+
+  def warmup_examples(self, step: int, batch_size: int):
+    raise ValueError(f"task.name={self.name!r} has no supervised warm-up "
+                     "data; set sft.steps=0")
+
+  def encode_responses(self, texts, max_len: int):
+    """Warm-up responses only, which this task has none of."""
+    raise ValueError(f"task.name={self.name!r} has no supervised warm-up "
+                     "data to encode; set sft.steps=0")
 
   def decode(self, tokens_NxT, mask_NxT) -> list[str]:
     return [self.tokenizer.decode(row[m.astype(bool)], skip_special_tokens=True)

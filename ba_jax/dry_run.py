@@ -4,8 +4,9 @@
         --num_cpu_devices=8 --one_update \\
         --config.mesh.data=1 --config.mesh.fsdp=4 --config.mesh.tensor=2
 
-``dry_run(config)`` builds the mesh, the model and the TrainState abstractly
-(``nnx.eval_shape``: no parameter is ever allocated), then lowers and compiles
+``dry_run(config)`` builds the run abstractly with the trainer's own builder
+(``run_setup.make_setup(config, abstract=True)``: no tokenizer, no
+parameter is ever allocated), then lowers and compiles
 the trainer's own jitted train step and the sampler's jitted program on
 ``jax.ShapeDtypeStruct`` inputs that carry their shardings, and reports per
 device the bytes of ``compiled.memory_analysis()`` and the FLOPs of
@@ -36,10 +37,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from ba_jax import checkpointing
 from ba_jax import model as model_lib
+from ba_jax import run_setup
 from ba_jax import sampler as sampler_lib
 from ba_jax import sharding as sharding_lib
 from ba_jax import train_step as ts
@@ -50,29 +50,6 @@ MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
 # nor its HLO (FLOPs); lowering it halves the CPU compile time.
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
                         "xla_llvm_disable_expensive_passes": True}
-
-
-def config_rules(config) -> tuple:
-  """The config's sharding rules as hashable tuples (flags give lists)."""
-  return tuple((name, tuple(axes) if isinstance(axes, list) else axes)
-               for name, axes in config.sharding_rules)
-
-
-def batch_shards(mesh, rules) -> int:
-  """How many devices the "batch" logical axis is split over."""
-  spec = sharding_lib.logical_to_spec(mesh, rules, ("batch",))[0]
-  axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
-  return int(np.prod([mesh.shape[a] for a in axes]))
-
-
-def model_config_from(config) -> model_lib.ModelConfig:
-  fields = dict(config.model)
-  known = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
-  unknown = sorted(set(fields) - known)
-  if unknown:
-    raise ValueError(f"config.model has fields {unknown} that ModelConfig "
-                     f"does not take; expected some of {sorted(known)}")
-  return model_lib.ModelConfig(**fields)
 
 
 def param_counts(abstract_params, c: model_lib.ModelConfig) -> dict:
@@ -181,36 +158,22 @@ def dry_run(config, *, devices=None, sample: bool = True,
     and per program the per-device memory (bytes), XLA FLOPs per device and
     compile seconds.
   """
-  try:
-    mesh = sharding_lib.make_mesh(dict(config.mesh), devices)
-  except ValueError as e:
-    raise ValueError(f"{e}; set config.mesh to fit, e.g. --config.mesh.data=1 "
-                     "--config.mesh.fsdp=4 --config.mesh.tensor=2 on 8 "
-                     "devices") from None
+  setup = run_setup.make_setup(config, abstract=True, devices=devices)
+  mesh, rules, rl = setup.mesh, setup.rules, setup.config.rl
+  model_config = setup.model_config
   platform = mesh.devices.flat[0].platform
-  rules = config_rules(config)
-  rl = config.rl
-  step_cfg = trainer.step_config(config)
   B, G, T = rl.prompts_per_step, rl.group_size, rl.max_new_tokens
   N, P = B * G, config.task.max_prompt_len
-  shards = batch_shards(mesh, rules)
-  step_cfg.check_batch(N, shards)
-  model_config = model_config_from(config)
-  graphdef, abstract_params = nnx.split(nnx.eval_shape(
-      lambda: model_lib.Decoder(model_config, rngs=nnx.Rngs(0))))
-  tx = ts.optimizer_from_config(config)
-  shapes = jax.eval_shape(lambda p: ts.create_state(p, tx), abstract_params)
-  state_sharding = ts.tree_shardings(shapes, mesh, rules)
-  state_in = checkpointing.abstract_like(shapes, state_sharding)
+  state_in = run_setup.abstract_state(setup)
   with_ref = config.loss.kl_coef > 0
   batch_in = _abstract_batch(N, P, T, mesh, rules, with_ref)
 
-  counts = param_counts(abstract_params, model_config)
+  counts = param_counts(setup.abstract_params, model_config)
   report = {
       "platform": platform,
       "devices": mesh.size,
       "mesh": {k: int(v) for k, v in mesh.shape.items()},
-      "batch_shards": shards,
+      "batch_shards": setup.batch_shards,
       "shapes": dict(prompts=B, group_size=G, rows=N, prompt_len=P,
                      response_len=T, ppo_epochs=rl.ppo_epochs,
                      num_minibatches=rl.num_minibatches,
@@ -230,15 +193,13 @@ def dry_run(config, *, devices=None, sample: bool = True,
   }
 
   report["train_step"] = _dry_run_train(
-      step_cfg, graphdef, tx, state_in, state_sharding, batch_in,
-      one_update=one_update, shapes=(P, T, mesh, rules, with_ref),
-      platform=platform)
+      setup, state_in, batch_in, one_update=one_update,
+      shapes=(P, T, mesh, rules, with_ref), platform=platform)
   if sample:
-    report["sample"] = _dry_run_sampler(config, graphdef, state_in.params,
-                                        mesh, rules, platform)
+    report["sample"] = _dry_run_sampler(setup, state_in.params, platform)
     if rl.old_logp == "recompute" or with_ref:
-      report["score"] = _dry_run_score(config, graphdef, state_in.params,
-                                       batch_in, platform)
+      report["score"] = _dry_run_score(setup, state_in.params, batch_in,
+                                       platform)
   return report
 
 
@@ -256,9 +217,10 @@ def _notes(c: model_lib.ModelConfig, prompt_len: int, response_len: int,
   return notes
 
 
-def _dry_run_train(step_cfg, graphdef, tx, state_in, state_sharding,
-                   batch_in, *, one_update, shapes, platform) -> dict:
+def _dry_run_train(setup, state_in, batch_in, *, one_update, shapes,
+                   platform) -> dict:
   """Compiles the trainer's jitted step (or one of its updates)."""
+  step_cfg = setup.step_cfg
   updates = step_cfg.ppo_epochs * step_cfg.num_minibatches
   compiled_cfg, step_batch = step_cfg, batch_in
   if one_update and updates > 1:
@@ -267,8 +229,8 @@ def _dry_run_train(step_cfg, graphdef, tx, state_in, state_sharding,
     rows = batch_in["advantages"].shape[0] // step_cfg.num_minibatches
     step_batch = _abstract_batch(rows, *shapes)
   step_fn = ts.jit_train_step(
-      graphdef=graphdef, tx=tx, cfg=compiled_cfg,
-      state_sharding=state_sharding,
+      graphdef=setup.graphdef, tx=setup.tx, cfg=compiled_cfg,
+      state_sharding=setup.state_sharding,
       batch_sharding={k: v.sharding for k, v in step_batch.items()})
   out = _compile(step_fn.lower(state_in, step_batch), platform)
   out["updates_compiled"] = (compiled_cfg.ppo_epochs
@@ -282,40 +244,26 @@ def _dry_run_train(step_cfg, graphdef, tx, state_in, state_sharding,
   return out
 
 
-def _dry_run_sampler(config, graphdef, params_in, mesh, rules, platform):
-  """Lowers the sampler's jitted program (``sampler._sample_jit``).
-
-  ``sample_groups`` checks its prompts on the host and calls that program
-  itself, so it cannot take abstract inputs; this lowers the same program
-  with the static arguments ``sample_groups`` would pass.
-  """
-  rl = config.rl
-  prompts = rl.prompts_per_step
-  bucket = sampler_lib.bucket_length(config.task.max_prompt_len)
-  greedy = rl.temperature == 0
-  loop_cfg = sampler_lib._LoopConfig(  # pylint: disable=protected-access
-      int(rl.group_size), int(rl.max_new_tokens), 0, greedy,
-      0 if greedy else int(rl.top_k), 1.0 if greedy else float(rl.top_p))
-  ids = jax.ShapeDtypeStruct((prompts, bucket), jnp.int32, sharding=(
-      sharding_lib.logical_sharding(mesh, rules, ("batch", None),
-                                    shape=(prompts, bucket))))
-  # The model skips remat on its cached (sampling) path, so a remat config
-  # lowers here as it is.
-  lowered = sampler_lib._sample_jit.lower(  # pylint: disable=protected-access
-      graphdef, params_in, ids, ids, jax.eval_shape(lambda: jax.random.key(0)),
-      jax.ShapeDtypeStruct((), jnp.float32),
-      jax.ShapeDtypeStruct((1,), jnp.int32), cfg=loop_cfg,
-      mesh_rules=(mesh, rules))
+def _dry_run_sampler(setup, params_in, platform) -> dict:
+  """The sampler's program for one step's prompts (the model skips remat on
+  its cached path, so a remat config lowers as it is)."""
+  rl = setup.rollout_cfg
+  lowered = sampler_lib.lower_sample(
+      setup.graphdef, params_in, prompts=rl.prompts_per_step,
+      prompt_len=setup.config.task.max_prompt_len, group_size=rl.group_size,
+      max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+      top_p=rl.top_p, top_k=rl.top_k, mesh=setup.mesh, rules=setup.rules)
   out = _compile(lowered, platform)
-  out["prompt_bucket"] = bucket
+  out["prompt_bucket"] = sampler_lib.bucket_length(
+      setup.config.task.max_prompt_len)
   return out
 
 
-def _dry_run_score(config, graphdef, params_in, batch_in, platform):
+def _dry_run_score(setup, params_in, batch_in, platform) -> dict:
   """The trainer's scoring program (old or reference log-probs)."""
   fn = jax.jit(functools.partial(
-      trainer._score_fn, graphdef=graphdef,  # pylint: disable=protected-access
-      temperature=config.rl.temperature))
+      trainer.score_logp, graphdef=setup.graphdef,
+      temperature=setup.step_cfg.temperature))
   keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
   return _compile(fn.lower(params_in, {k: batch_in[k] for k in keys}),
                   platform)
@@ -389,7 +337,7 @@ def format_report(report: dict) -> str:
 
 def _main():
   """``python -m ba_jax.dry_run``: flags only (defined here, not on import,
-  so ``ba_jax.train`` can import this module next to its own flags)."""
+  so that importing this module defines no flags)."""
   import json
 
   from absl import app, flags, logging

@@ -135,11 +135,7 @@ def load_policy(model_path: str, *, step: int | None = None, dtype: str = "float
     from ba_jax import hf
     model, config = hf.load_pretrained(model_path, dtype=dtype)
     return model, config, AutoTokenizer.from_pretrained(model_path)
-  try:
-    from ba_jax.checkpointing import restore_policy
-  except ImportError as e:
-    raise ValueError(f"{model_path}: no config.json (not a Hugging Face directory) and "
-                     f"ba_jax.checkpointing.restore_policy is unavailable ({e})") from e
+  from ba_jax.run_setup import restore_policy
   if not os.path.isdir(model_path):
     raise ValueError(f"--model={model_path!r} is neither a Hugging Face directory nor a workdir")
   model, config, tokenizer = restore_policy(model_path, step=step)

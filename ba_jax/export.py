@@ -15,8 +15,8 @@ _STEP = flags.DEFINE_integer("step", None, "checkpoint step (default newest)")
 
 def export(workdir: str, output_dir: str, step: int | None = None) -> str:
   """Exports the policy in ``workdir`` to ``output_dir``; returns the path."""
-  from ba_jax import checkpointing, hf
-  model, model_config, tokenizer = checkpointing.restore_policy(workdir, step)
+  from ba_jax import hf, run_setup
+  model, model_config, tokenizer = run_setup.restore_policy(workdir, step)
   hf.save_pretrained(model, model_config, output_dir, tokenizer=tokenizer)
   return output_dir
 

@@ -101,11 +101,6 @@ def read_config(path) -> dict:
   return _read_json(pathlib.Path(path) / "config.json")
 
 
-def read_generation_config(path) -> dict | None:
-  file = pathlib.Path(path) / "generation_config.json"
-  return _read_json(file) if file.exists() else None
-
-
 def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
   """Tensor name -> safetensors file holding it."""
   index = path / SAFETENSORS_INDEX

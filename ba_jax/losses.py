@@ -149,8 +149,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
           any_token, jnp.max(jnp.where(has_token, ratio, -jnp.inf)), 1.0)),
       "approx_kl": stats(_masked_mean(
           kl_penalty(old_logp, logp, "k3"), mask_NxT)),
-      "w_pos": jnp.sum(weights * (advantages_N > 0)[:, None]),
-      "w_neg": jnp.sum(weights * (advantages_N < 0)[:, None]),
   })
+  metrics["w_pos"], metrics["w_neg"] = agg.signed_weights(weights,
+                                                          advantages_N)
   return loss, metrics
 

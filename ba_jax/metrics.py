@@ -16,46 +16,40 @@ from typing import Any
 import jax
 import numpy as np
 
+from ba_jax import aggregation as agg
+
 
 def rollout_stats(rewards_N, correct_N, advantages_N, mask_NxT, truncated_N,
                   group_size: int) -> dict[str, float]:
-  """Reward, accuracy and the length diagnostics of DESIGN.md section 1."""
+  """Reward, accuracy and the length diagnostics of DESIGN.md section 1
+  (``aggregation.length_diagnostics``: NaN where undefined)."""
   rewards_N = np.asarray(rewards_N, np.float64)
   lengths_N = np.asarray(mask_NxT).sum(-1).astype(np.float64)
-  adv_N = np.asarray(advantages_N, np.float64)
-  lengths_GxS = lengths_N.reshape(-1, group_size)
-  means_G = lengths_GxS.mean(-1)
-  cv_G = np.where(means_G > 0, lengths_GxS.std(-1) / np.maximum(means_G, 1e-9),
-                  0.0)
-  pos, neg = adv_N > 0, adv_N < 0
+  lengths = agg.length_diagnostics(lengths_N, np.asarray(advantages_N),
+                                   group_size=group_size, xp=np)
   stats = {
       "reward_mean": rewards_N.mean(),
       "reward_std": rewards_N.std(),
-      "accuracy": float(np.mean(correct_N)),
+      "accuracy": np.mean(correct_N),
       "length_mean": lengths_N.mean(),
       "length_max": lengths_N.max(),
-      "length_cv_in_group": cv_G.mean(),
-      "truncated_frac": float(np.mean(truncated_N)),
-      "pos_frac": float(pos.sum() / max(pos.sum() + neg.sum(), 1)),
-      "groups_mixed_frac": float(np.mean(
-          rewards_N.reshape(-1, group_size).std(-1) > 0)),
+      "length_cv_in_group": lengths["length_cv"],
+      "truncated_frac": np.mean(truncated_N),
+      "pos_frac": lengths["pos_frac"],
+      "groups_mixed_frac": np.mean(
+          rewards_N.reshape(-1, group_size).std(-1) > 0),
+      "length_gap_pos_neg": lengths["length_gap"],
+      "length_gap_rel": lengths["length_gap_rel"],
   }
-  if pos.any() and neg.any():
-    gap = lengths_N[pos].mean() - lengths_N[neg].mean()
-    stats["length_gap_pos_neg"] = gap
-    stats["length_gap_rel"] = gap / max(lengths_N[pos | neg].mean(), 1e-9)
-  else:  # no signed pair this step: NaN, not a misleading 0
-    stats["length_gap_pos_neg"] = stats["length_gap_rel"] = float("nan")
   return {k: float(v) for k, v in stats.items()}
 
 
 def weight_shares(device_metrics: dict[str, float]) -> dict[str, float]:
   """The positive share W+ / (W+ + W-) from the loss metrics."""
-  w_pos, w_neg = device_metrics.get("w_pos"), device_metrics.get("w_neg")
-  if w_pos is None or w_neg is None:
+  if "w_pos" not in device_metrics or "w_neg" not in device_metrics:
     return {}
-  total = w_pos + w_neg
-  return {"w_pos_share": w_pos / total if total > 0 else float("nan")}
+  return {"w_pos_share": float(agg.positive_share(
+      device_metrics["w_pos"], device_metrics["w_neg"], np))}
 
 
 def _jsonable(value: float) -> Any:
@@ -71,7 +65,6 @@ class MetricsLogger:
     self.enabled, self.workdir = enabled, workdir
     self._pending: tuple[int, Any, dict] | None = None
     self.history: list[dict] = []
-    self.on_record = None  # called with each record after it is written
     self._tb = self._bar = None
     if not enabled:
       return
@@ -85,22 +78,25 @@ class MetricsLogger:
       self._bar = tqdm.tqdm(total=total_steps, initial=first_step,
                             desc="GRPO", dynamic_ncols=True, file=sys.stdout)
 
-  def push(self, step: int, device_metrics: Any, host_metrics: dict) -> None:
-    """Queues this step's metrics and writes the previous step's."""
-    self.flush()
+  def push(self, step: int, device_metrics: Any, host_metrics: dict
+           ) -> dict | None:
+    """Queues this step's metrics; writes and returns the previous step's
+    record (None at the first push)."""
+    record = self.flush()
     self._pending = (step, device_metrics, host_metrics)
+    return record
 
-  def flush(self) -> None:
+  def flush(self) -> dict | None:
+    """Writes and returns the queued record, if any."""
     if self._pending is None:
-      return
+      return None
     step, device_metrics, host_metrics = self._pending
     self._pending = None
     fetched = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
     record = dict(step=step, **host_metrics, **fetched,
                   **weight_shares(fetched))
     self.write(record)
-    if self.on_record is not None:
-      self.on_record(record)
+    return record
 
   def write(self, record: dict) -> None:
     self.history.append(record)

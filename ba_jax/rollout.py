@@ -1,7 +1,7 @@
 """Rollouts for the trainer: prompts -> G samples -> rewards -> advantages.
 
-Host-side half of a GRPO step (DESIGN.md section 2). The task object feeds
-prompts and grades responses; ``collect`` runs the sampler, the rewards and
+Host-side half of a GRPO step (DESIGN.md section 2). The task
+(``ba_jax.tasks.Task``) feeds prompts and grades responses; ``collect`` runs the sampler, the rewards and
 the options around them (DAPO dynamic sampling, overlong masking or soft
 penalty) and returns this process's rows as numpy arrays. With several
 processes each one holds a contiguous slice of the global batch (whole
@@ -18,7 +18,6 @@ import numpy as np
 
 from ba_jax import advantages as advantages_lib
 from ba_jax import sampler as sampler_lib
-from ba_jax import synthetic
 
 OVERLONG_MODES = ("none", "mask", "soft")
 
@@ -41,69 +40,34 @@ def allgather(x: np.ndarray) -> np.ndarray:
                                                       tiled=True))
 
 
-class SyntheticTask:
-  """The bundled addition task behind the trainer's task interface."""
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """The static options of a step's rollout (the config's ``rl`` section)."""
+  prompts_per_step: int
+  group_size: int
+  max_new_tokens: int
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  advantage_std: str = "group"
+  dynamic_sampling: bool = False
+  max_sampling_rounds: int = 3
+  overlong: str = "none"
+  overlong_buffer: int = 0
+  overlong_penalty: float = 1.0
 
-  def __init__(self, task_cfg, *, seed: int, tokenizer, max_prompt_len: int,
-               num_heldout: int, grader: str = "builtin"):
-    if task_cfg.name != "synthetic_sum":
-      raise ValueError(f"task.name={task_cfg.name!r}: expected 'synthetic_sum'"
-                       " (the only bundled task)")
-    if grader not in ("builtin", "rewards"):
-      raise ValueError(f"task.grader={grader!r}: expected 'builtin' or "
-                       "'rewards' (ba_jax.rewards.score_math, rule='answer')")
-    self.cfg = synthetic.TaskConfig(
-        min_terms=task_cfg.min_terms, max_terms=task_cfg.max_terms,
-        max_value=task_cfg.max_value, length_gap=task_cfg.length_gap,
-        sft_correct_frac=task_cfg.sft_correct_frac)
-    self.seed, self.tokenizer, self.grader = seed, tokenizer, grader
-    self.max_prompt_len = max_prompt_len
-    self.heldout = synthetic.heldout_problems(self.cfg, num_heldout, seed)
-    self._exclude = frozenset(self.heldout)
-    self.pad_id = tokenizer.pad_token_id
-    self.eos_id = tokenizer.eos_token_id
+  def __post_init__(self):
+    if self.overlong not in OVERLONG_MODES:
+      raise ValueError(f"rl.overlong={self.overlong!r}: expected one of "
+                       f"{list(OVERLONG_MODES)}")
+    if self.prompts_per_step < 1:
+      raise ValueError(f"rl.prompts_per_step={self.prompts_per_step}: "
+                       "expected >= 1")
 
-  def problems(self, start: int, n: int, stream: int = 0):
-    """Training problems ``start..start+n-1`` (stream 1: warm-up data)."""
-    return synthetic.train_problems(self.cfg, self.seed + 7919 * stream,
-                                    start, n, self._exclude)
-
-  def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
-    enc = self.tokenizer([p.prompt for p in problems], padding="max_length",
-                         max_length=self.max_prompt_len, return_tensors="np")
-    if enc["input_ids"].shape[1] != self.max_prompt_len:
-      raise ValueError(f"a prompt is longer than task.max_prompt_len="
-                       f"{self.max_prompt_len}; raise it")
-    return (enc["input_ids"].astype(np.int32),
-            enc["attention_mask"].astype(np.int32))
-
-  def encode_responses(self, texts, max_len: int):
-    """Right-padded responses ending in EOS; (ids, mask) [n, max_len]."""
-    ids = np.full((len(texts), max_len), self.pad_id, np.int32)
-    mask = np.zeros((len(texts), max_len), np.int32)
-    for i, text in enumerate(texts):
-      toks = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-      toks = toks + [self.eos_id]
-      if len(toks) > max_len:
-        raise ValueError(f"warm-up response of {len(toks)} tokens exceeds "
-                         f"rl.max_new_tokens={max_len}; raise it")
-      ids[i, :len(toks)], mask[i, :len(toks)] = toks, 1
-    return ids, mask
-
-  def decode(self, tokens_NxT, mask_NxT) -> list[str]:
-    return [self.tokenizer.decode(row[m.astype(bool)], skip_special_tokens=True)
-            for row, m in zip(np.asarray(tokens_NxT), np.asarray(mask_NxT))]
-
-  def grade(self, texts, problems) -> tuple[np.ndarray, np.ndarray]:
-    """(rewards float32, correct bool) by the exact-answer rule."""
-    if self.grader == "rewards":
-      from ba_jax import rewards
-      out = rewards.score_math(texts, [str(p.answer) for p in problems],
-                               rule="answer")
-      return out.scores.astype(np.float32), out.correct.astype(bool)
-    correct = np.array([synthetic.grade(t, p) > 0 for t, p in
-                        zip(texts, problems)], bool)
-    return correct.astype(np.float32), correct
+  @classmethod
+  def from_config(cls, rl) -> "RolloutConfig":
+    """The fields of ``rl`` this dataclass has (the rest are the step's)."""
+    return cls(**{f.name: rl[f.name] for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass
@@ -132,8 +96,8 @@ def soft_overlong_penalty(lengths_N, truncated_N, *, max_len: int,
   return np.where(truncated_N, -penalty, ramp).astype(np.float32)
 
 
-def collect(model, task, *, position: int, key, rl, mesh=None, rules=None
-            ) -> Rollout:
+def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
+            rules=None) -> Rollout:
   """Samples, grades and (optionally) filters one step's batch.
 
   ``position`` is the global index of the next training prompt; ``key`` the

@@ -1,24 +1,42 @@
-"""A run's static pieces, built from its config before anything runs.
+"""The run builder: a run's static pieces, built once from its config.
 
 ``make_setup(config)`` validates the config (modes, divisibility over
-devices, processes and groups), builds the mesh, the tokenizer, the abstract
-model and optimizer, and the shardings of the train state; ``init_params``
-materialises the policy directly sharded. ``ba_jax.trainer`` runs the loop.
+devices, processes and groups), builds the mesh, the tokenizer, the model
+config, the abstract model and optimizer, and the shardings of the train
+state, with typed static configs for the step and the rollout. The trainer,
+the dry run (``abstract=True``: no tokenizer, no weights), export and
+evaluation (``restore_policy``) all start here. ``init_params`` materialises
+the policy directly sharded.
+
+With ``init_from`` set, the architecture is the checkpoint's ``config.json``;
+``config.model`` then supplies only what a checkpoint does not say (compute
+and parameter dtypes, remat, the attention kernel).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+import os
+from typing import Collection
 
 import jax
 import ml_collections
 import numpy as np
 from flax import nnx
 
-from ba_jax import checkpointing, rollout
+from ba_jax import checkpointing, hf, rollout, tasks
 from ba_jax import model as model_lib
 from ba_jax import sharding as sharding_lib
-from ba_jax import synthetic
 from ba_jax import train_step as ts
+
+# What a checkpoint's config.json decides (ModelConfig.from_hf_dict reads
+# them); every other model field is how to run the model.
+ARCHITECTURE_FIELDS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size",
+    "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
+    "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "attention_bias",
+    "qk_norm", "max_position_embeddings", "bos_token_id", "eos_token_id")
 
 
 def step_config(config) -> ts.StepConfig:
@@ -35,6 +53,28 @@ def step_config(config) -> ts.StepConfig:
       num_microbatches=rl.num_microbatches, temperature=rl.temperature)
 
 
+def config_rules(config) -> tuple:
+  """The config's sharding rules as hashable tuples (flags give lists)."""
+  return tuple((name, tuple(axes) if isinstance(axes, list) else axes)
+               for name, axes in config.sharding_rules)
+
+
+def batch_shards(mesh, rules) -> int:
+  """How many devices the "batch" logical axis is split over."""
+  spec = sharding_lib.logical_to_spec(mesh, rules, ("batch",))[0]
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def make_mesh(config, devices=None) -> jax.sharding.Mesh:
+  try:
+    return sharding_lib.make_mesh(dict(config.mesh), devices)
+  except ValueError as e:
+    raise ValueError(f"{e}; set config.mesh to fit, e.g. --config.mesh.data=1 "
+                     "--config.mesh.fsdp=4 --config.mesh.tensor=2 on 8 "
+                     "devices") from None
+
+
 def validate(config, mesh) -> ts.StepConfig:
   """Every check that can fail before anything runs; returns the step cfg."""
   cfg = step_config(config)
@@ -42,153 +82,185 @@ def validate(config, mesh) -> ts.StepConfig:
   if rl.old_logp not in ("sampler", "recompute"):
     raise ValueError(f"rl.old_logp={rl.old_logp!r}: expected 'sampler' or "
                      "'recompute'")
-  if rl.overlong not in rollout.OVERLONG_MODES:
-    raise ValueError(f"rl.overlong={rl.overlong!r}: expected one of "
-                     f"{list(rollout.OVERLONG_MODES)}")
-  if rl.steps < 0 or rl.prompts_per_step < 1:
+  if rl.steps < 0 or rl.prompts_per_step < 1 or rl.max_nonfinite < 1:
     raise ValueError(f"rl.steps={rl.steps}, rl.prompts_per_step="
-                     f"{rl.prompts_per_step}: expected >= 0 and >= 1")
-  synthetic_task = config.task.name == "synthetic_sum"
-  if not synthetic_task:
-    if config.sft.steps:
+                     f"{rl.prompts_per_step}, rl.max_nonfinite="
+                     f"{rl.max_nonfinite}: expected >= 0, >= 1 and >= 1")
+  task_class = tasks.task_class(config.task.name)
+  if config.sft.steps:
+    if not task_class.has_warmup:
       raise ValueError(f"sft.steps={config.sft.steps}: task.name="
                        f"{config.task.name!r} has no warm-up data; set 0")
-    if not config.init_from:
-      raise ValueError(f"task.name={config.task.name!r} needs init_from, a "
-                       "Hugging Face directory with the policy's tokenizer")
-  else:
-    task = synthetic.TaskConfig(**{k: config.task[k] for k in (
-        "min_terms", "max_terms", "max_value", "length_gap",
-        "sft_correct_frac")})
-  need = synthetic.max_response_tokens(task) if synthetic_task else 0
-  if config.sft.steps and need > rl.max_new_tokens:
-    raise ValueError(f"rl.max_new_tokens={rl.max_new_tokens} is below the "
-                     f"{need} tokens a warm-up response can take for task "
-                     f"max_terms={task.max_terms}, length_gap="
-                     f"{task.length_gap}; raise it")
-  shards = _batch_shards(mesh, tuple(config.sharding_rules))
+    need = task_class.max_warmup_response_tokens(config.task)
+    if need > rl.max_new_tokens:
+      raise ValueError(f"rl.max_new_tokens={rl.max_new_tokens} is below the "
+                       f"{need} tokens a warm-up response of task.name="
+                       f"{config.task.name!r} can take with this config's "
+                       "task section; raise it")
+  shards = batch_shards(mesh, config_rules(config))
   cfg.check_batch(rl.prompts_per_step * rl.group_size, shards)
-  procs = jax.process_count()
-  counts = [("rl.prompts_per_step", rl.prompts_per_step),
-            ("sft.batch_size", config.sft.batch_size)]
-  if synthetic_task:
-    counts.append(("eval.num_problems", config.eval.num_problems))
-  for name, n in counts:
-    if n % procs:
-      raise ValueError(f"{name}={n} does not split over {procs} processes")
-  if procs > 1:  # the sampler shards prompts over the batch axes too
-    for name, n in counts:
-      if n % shards:
-        raise ValueError(f"{name}={n} does not split over the {shards} "
-                         "devices of the batch mesh axes (needed with "
-                         "several processes)")
-  if config.sft.steps and config.sft.batch_size % shards:
-    raise ValueError(f"sft.batch_size={config.sft.batch_size} does not split "
-                     f"over the {shards} devices of the batch mesh axes")
+  counts = [("rl.prompts_per_step", rl.prompts_per_step)]
+  if config.sft.steps:
+    counts.append(("sft.batch_size", config.sft.batch_size))
+    if config.sft.batch_size % shards:
+      raise ValueError(f"sft.batch_size={config.sft.batch_size} does not "
+                       f"split over the {shards} devices of the batch mesh "
+                       "axes")
+  check_split(counts, shards)
   return cfg
 
 
-def _batch_shards(mesh, rules) -> int:
-  spec = sharding_lib.logical_to_spec(mesh, rules, ("batch",))[0]
-  axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
-  return int(np.prod([mesh.shape[a] for a in axes]))
+def check_split(counts, shards: int) -> None:
+  """Each (name, n) must split over the processes, and with several
+  processes over the batch shards too (the sampler shards prompts so)."""
+  procs = jax.process_count()
+  for name, n in counts:
+    if n % procs:
+      raise ValueError(f"{name}={n} does not split over {procs} processes")
+    if procs > 1 and n % shards:
+      raise ValueError(f"{name}={n} does not split over the {shards} "
+                       "devices of the batch mesh axes (needed with "
+                       "several processes)")
 
 
-def build_model_config(config, tokenizer) -> model_lib.ModelConfig:
+def _model_fields(config) -> dict:
   fields = dict(config.model)
-  if fields["vocab_size"] < len(tokenizer):
-    raise ValueError(f"model.vocab_size={fields['vocab_size']} is smaller than "
-                     f"the tokenizer's {len(tokenizer)} tokens")
-  return model_lib.ModelConfig(**fields, bos_token_id=tokenizer.bos_token_id,
-                               eos_token_id=tokenizer.eos_token_id)
+  known = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
+  unknown = sorted(set(fields) - known)
+  if unknown:
+    raise ValueError(f"config.model has fields {unknown} that ModelConfig "
+                     f"does not take; expected some of {sorted(known)}")
+  return fields
+
+
+def runtime_fields(config) -> dict:
+  """The ``config.model`` fields a checkpoint does not decide."""
+  return {k: v for k, v in _model_fields(config).items()
+          if k not in ARCHITECTURE_FIELDS}
+
+
+def build_model_config(config, tokenizer=None, *,
+                       explicit: Collection[str] = ()
+                       ) -> model_lib.ModelConfig:
+  """The policy's ModelConfig: ``init_from``'s architecture plus
+  ``runtime_fields``, or all of ``config.model`` without a checkpoint.
+
+  ``explicit``: dotted config keys the user set (e.g. on the command line);
+  an architecture field among them that the checkpoint contradicts is an
+  error, the config file's own values simply give way.
+  """
+  fields = _model_fields(config)
+  hf_json = os.path.join(config.init_from, "config.json")
+  if config.init_from and (tokenizer is not None or os.path.isfile(hf_json)):
+    model_config = model_lib.ModelConfig.from_hf_dict(
+        hf.read_config(config.init_from), **runtime_fields(config))
+    clash = {k: (fields[k], getattr(model_config, k)) for k in fields
+             if f"model.{k}" in explicit and k in ARCHITECTURE_FIELDS
+             and fields[k] != getattr(model_config, k)}
+    if clash:
+      raise ValueError("the command line sets " + ", ".join(
+          f"model.{k}={ours!r} but init_from={config.init_from!r} has {k}="
+          f"{theirs!r}" for k, (ours, theirs) in clash.items()) +
+                       "; drop the override or use a matching checkpoint")
+  else:
+    ids = {} if tokenizer is None else dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model_config = model_lib.ModelConfig(**fields, **ids)
+  if tokenizer is not None and model_config.vocab_size < len(tokenizer):
+    raise ValueError(f"model.vocab_size={model_config.vocab_size} is smaller "
+                     f"than the tokenizer's {len(tokenizer)} tokens")
+  return model_config
 
 
 @dataclasses.dataclass
 class Setup:
   """Everything static about a run, built from its config."""
-  config: ml_collections.ConfigDict
+  config: ml_collections.ConfigDict  # model section = the model built
   mesh: jax.sharding.Mesh
   rules: tuple
   step_cfg: ts.StepConfig
-  tokenizer: object
+  rollout_cfg: rollout.RolloutConfig
+  tokenizer: object  # None when built abstract
   model_config: model_lib.ModelConfig
   graphdef: object
   abstract_params: object
-  tx: object
+  tx: object  # the RL optimizer (optax)
   state_sharding: object
   _task: object = None
 
   @property
-  def task(self):
+  def batch_shards(self) -> int:
+    return batch_shards(self.mesh, self.rules)
+
+  @property
+  def task(self) -> tasks.Task:
     """The task (built on first use: a dataset task reads its files)."""
     if self._task is None:
-      c = self.config
-      if c.task.name == "synthetic_sum":
-        self._task = rollout.SyntheticTask(
-            c.task, seed=c.seed, tokenizer=self.tokenizer,
-            max_prompt_len=c.task.max_prompt_len,
-            num_heldout=c.eval.num_problems, grader=c.task.grader)
-      else:
-        from ba_jax import dataset_task
-        self._task = dataset_task.DatasetTask(
-            c.task, c.eval, seed=c.seed, tokenizer=self.tokenizer,
-            max_prompt_len=c.task.max_prompt_len)
+      if self.tokenizer is None:
+        raise ValueError("this setup was built abstract (no tokenizer): it "
+                         "has no task")
+      task = tasks.make_task(self.config, self.tokenizer)
+      check_split([("held-out problems", len(task.heldout))],
+                  self.batch_shards)
+      self._task = task
     return self._task
 
 
-def load_tokenizer(config):
-  if config.task.name == "synthetic_sum":
-    return synthetic.build_tokenizer()
-  from transformers import AutoTokenizer
-  return AutoTokenizer.from_pretrained(config.init_from)
+def make_setup(config, *, abstract: bool = False, devices=None,
+               explicit: Collection[str] = (), model_config=None) -> Setup:
+  """Builds and checks everything static about a run of ``config``.
 
-
-def make_setup(config) -> Setup:
-  mesh = sharding_lib.make_mesh(dict(config.mesh))
-  rules = tuple(tuple(r) if isinstance(r, list) else r
-                for r in config.sharding_rules)
-  rules = tuple((name, tuple(ax) if isinstance(ax, list) else ax)
-                for name, ax in rules)
+  Args:
+    abstract: no tokenizer and no task (the dry run; restoring a workdir).
+      The architecture is ``init_from``'s config.json when that file
+      exists, else ``config.model``.
+    devices: the mesh's devices (default all).
+    explicit: dotted config keys set by the user (``build_model_config``).
+    model_config: use this ModelConfig (a restored run's) as it is.
+  """
+  mesh = make_mesh(config, devices)
+  rules = config_rules(config)
   step_cfg = validate(config, mesh)
-  tokenizer = load_tokenizer(config)
-  model_config = build_model_config(config, tokenizer)
-  abstract = nnx.eval_shape(
-      lambda: model_lib.Decoder(model_config, rngs=nnx.Rngs(config.seed)))
-  graphdef, abstract_params = nnx.split(abstract)
+  rollout_cfg = rollout.RolloutConfig.from_config(config.rl)
+  tokenizer = None if abstract else tasks.make_tokenizer(config)
+  if model_config is None:
+    model_config = build_model_config(config, tokenizer, explicit=explicit)
+  config = copy.deepcopy(config)
+  for key in ARCHITECTURE_FIELDS:
+    if key in config.model:
+      config.model[key] = getattr(model_config, key)
+  graphdef, abstract_params = nnx.split(nnx.eval_shape(
+      lambda: model_lib.Decoder(model_config, rngs=nnx.Rngs(config.seed))))
   tx = ts.optimizer_from_config(config)
-  abstract_state = jax.eval_shape(lambda p: ts.create_state(p, tx),
-                                  abstract_params)
-  state_sharding = ts.tree_shardings(abstract_state, mesh, rules)
-  return Setup(config, mesh, rules, step_cfg, tokenizer, model_config,
-               graphdef, abstract_params, tx, state_sharding)
+  shapes = jax.eval_shape(lambda p: ts.create_state(p, tx), abstract_params)
+  state_sharding = ts.tree_shardings(shapes, mesh, rules)
+  return Setup(config, mesh, rules, step_cfg, rollout_cfg, tokenizer,
+               model_config, graphdef, abstract_params, tx, state_sharding)
 
 
 def abstract_state(setup: Setup):
+  """The TrainState as ShapeDtypeStructs carrying their shardings."""
   shapes = jax.eval_shape(lambda p: ts.create_state(p, setup.tx),
                           setup.abstract_params)
   return checkpointing.abstract_like(shapes, setup.state_sharding)
 
 
 def init_params(setup: Setup):
-  """Random init (or ``init_from``), materialised directly sharded."""
-  c = setup.config
+  """Random init (or ``init_from``'s weights in ``model.param_dtype``),
+  materialised directly sharded."""
+  c, mc = setup.config, setup.model_config
   if c.init_from:
-    from ba_jax import hf
-    model, loaded = hf.load_pretrained(c.init_from, mesh=setup.mesh,
-                                       rules=setup.rules)
-    fields = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
-              "num_layers", "num_heads", "num_kv_heads", "head_dim",
-              "tie_word_embeddings", "qk_norm", "attention_bias")
-    diff = {f: (getattr(setup.model_config, f), getattr(loaded, f))
-            for f in fields
-            if getattr(setup.model_config, f) != getattr(loaded, f)}
-    if diff:
-      raise ValueError(f"init_from={c.init_from!r} does not match config.model"
-                       f" (config value, checkpoint value): {diff}")
+    model, loaded = hf.load_pretrained(
+        c.init_from, mesh=setup.mesh, rules=setup.rules, dtype=mc.dtype,
+        param_dtype=mc.param_dtype, remat=mc.remat,
+        attention_impl=mc.attention_impl, attention_block=mc.attention_block)
+    if loaded != mc:
+      raise ValueError(f"init_from={c.init_from!r} changed since the run was "
+                       f"set up: {loaded} != {mc}")
     return nnx.state(model)
   return nnx.state(sharding_lib.create_sharded(
-      lambda: model_lib.Decoder(setup.model_config, rngs=nnx.Rngs(c.seed)),
-      setup.mesh, setup.rules))
+      lambda: model_lib.Decoder(mc, rngs=nnx.Rngs(c.seed)), setup.mesh,
+      setup.rules))
 
 
 def to_device(arrays: dict, mesh, rules) -> dict:
@@ -199,3 +271,55 @@ def to_device(arrays: dict, mesh, rules) -> dict:
     sharding = sharding_lib.data_sharding(mesh, rules, x.ndim)
     out[name] = jax.make_array_from_process_local_data(sharding, x)
   return out
+
+
+def write_run_files(workdir: str, setup: Setup) -> None:
+  """What ``restore_policy`` needs besides the arrays: the run's config
+  (model section as built), the model config (transformers layout), the
+  tokenizer."""
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(setup.config.to_json())
+  with open(os.path.join(workdir, "model_config.json"), "w") as f:
+    json.dump(setup.model_config.to_hf_dict(), f, indent=1)
+  if setup.tokenizer is not None:
+    setup.tokenizer.save_pretrained(os.path.join(workdir, "tokenizer"))
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The ml_collections config a run in ``workdir`` was started with."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: {workdir} is not a ba_jax "
+                            "training workdir")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def restore_policy(workdir: str, step: int | None = None, *, mesh_shape=None):
+  """The policy saved in ``workdir``: ``(model, model_config, tokenizer)``.
+
+  Restores the newest checkpoint (or ``step``) onto a mesh of this machine's
+  devices (``mesh_shape``, default the run's own, e.g. {"data": -1, ...}),
+  whatever mesh it was saved from. Needs only the workdir (not init_from).
+  """
+  config = load_run_config(workdir)
+  if mesh_shape is not None:
+    config.mesh = dict(mesh_shape)
+  with open(os.path.join(workdir, "model_config.json")) as f:
+    model_config = model_lib.ModelConfig.from_hf_dict(
+        json.load(f), **runtime_fields(config))
+  setup = make_setup(config, abstract=True, model_config=model_config)
+  ckpt = checkpointing.Checkpointer(workdir, keep=max(config.checkpoint.keep, 1),
+                                    async_save=False)
+  try:
+    state, _ = ckpt.restore(abstract_state(setup), step)
+  finally:
+    ckpt.close()
+  model = nnx.merge(setup.graphdef, state.params)
+  tok_dir = os.path.join(workdir, "tokenizer")
+  tokenizer = None
+  if os.path.isdir(tok_dir):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+  return model, model_config, tokenizer

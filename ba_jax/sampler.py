@@ -337,3 +337,23 @@ def _to_local(x, mesh_rules):
   mesh, _ = mesh_rules
   return multihost_utils.global_array_to_host_local_array(
       x, mesh, _batch_sharding(x, mesh_rules).spec)
+
+
+def lower_sample(graphdef, params, *, prompts: int, prompt_len: int,
+                 group_size: int, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, pad_id: int = 0,
+                 mesh: jax.sharding.Mesh, rules) -> jax.stages.Lowered:
+  """The program `sample_groups` runs for `prompts` prompts of `prompt_len`
+  tokens, lowered on abstract inputs (`params` may be ShapeDtypeStructs
+  carrying shardings): what the dry run compiles to size a rollout."""
+  bucket = bucket_length(prompt_len)
+  greedy = temperature == 0
+  cfg = _LoopConfig(int(group_size), int(max_new_tokens), int(pad_id), greedy,
+                    0 if greedy else int(top_k), 1.0 if greedy else float(top_p))
+  ids = jax.ShapeDtypeStruct((prompts, bucket), jnp.int32, sharding=(
+      sharding_lib.logical_sharding(mesh, rules, ("batch", None),
+                                    shape=(prompts, bucket))))
+  return _sample_jit.lower(
+      graphdef, params, ids, ids, jax.eval_shape(lambda: jax.random.key(0)),
+      jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32),
+      cfg=cfg, mesh_rules=(mesh, tuple(rules)))

@@ -3,11 +3,13 @@
 The loss is the mean negative log-likelihood of the response tokens (EOS
 included), from the same ``score_responses`` forward pass the RL loss uses.
 The batch layout is the rollout layout (left-padded prompt, right-padded
-response), so no second code path scores sequences.
+response), so no second code path scores sequences. The examples are the
+task's (``Task.warmup_examples``), the optimizer ``train_step.make_optimizer``.
 """
 from __future__ import annotations
 
 import functools
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +17,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from ba_jax import train_step as ts
 from ba_jax.scoring import score_responses
-from ba_jax.train_step import tree_shardings
+
+# optax.adamw's default, which the warm-up has always used.
+WEIGHT_DECAY = 1e-4
 
 
 def _sft_loss(params, batch, graphdef):
@@ -36,36 +41,38 @@ def _sft_step(params, opt_state, batch, *, graphdef, tx):
 
 def warmup_batch(task, step: int, batch_size: int, max_new_tokens: int,
                  local: slice) -> dict:
-  """Warm-up batch ``step``: problems of stream 1, this process's rows."""
-  problems = task.problems(step * batch_size, batch_size, stream=1)[local]
-  rng = np.random.default_rng([task.seed, 3, step])
-  texts = [task_response(task, p, rng) for p in problems]
+  """Warm-up batch ``step`` of the task's examples, this process's rows."""
+  problems, texts = task.warmup_examples(step, batch_size)
+  problems, texts = problems[local], texts[local]
   prompt_ids, prompt_mask = task.encode_prompts(problems)
   response_ids, response_mask = task.encode_responses(texts, max_new_tokens)
   return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
               response_ids=response_ids, response_mask=response_mask)
 
 
-def task_response(task, problem, rng) -> str:
-  from ba_jax import synthetic
-  return synthetic.sft_response(problem, rng, task.cfg)[0]
+def optimizer(*, steps: int, learning_rate: float, warmup_steps: int):
+  """AdamW, linear warm-up then cosine decay to 10% over ``steps``."""
+  warmup_steps = max(1, min(warmup_steps, steps // 2))
+  return ts.make_optimizer(
+      learning_rate=learning_rate, warmup_steps=warmup_steps,
+      total_steps=max(steps, warmup_steps + 1), schedule="cosine",
+      end_lr_frac=0.1, weight_decay=WEIGHT_DECAY)
 
 
 def warmup(params, graphdef, task, *, steps: int, batch_size: int,
            learning_rate: float, warmup_steps: int, max_new_tokens: int,
-           to_device, mesh=None, rules=None, local=slice(None), log=print,
-           should_stop=lambda: False):
-  """Runs ``steps`` warm-up updates and returns the new params (or None when
-  stopped early by ``should_stop``)."""
-  warmup_steps = max(1, min(warmup_steps, steps // 2))
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, learning_rate, warmup_steps, max(steps, warmup_steps + 1),
-      end_value=0.1 * learning_rate)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
+           to_device, mesh=None, rules=None, local=slice(None), log=print
+           ) -> Iterator[tuple[int, Any]]:
+  """Runs ``steps`` warm-up updates, yielding ``(steps done, params)`` after
+  each, so the caller can stop between any two (the caller's ``params``
+  arrays are not donated)."""
+  tx = optimizer(steps=steps, learning_rate=learning_rate,
+                 warmup_steps=warmup_steps)
   step_fn = functools.partial(_sft_step, graphdef=graphdef, tx=tx)
   if mesh is not None:
-    param_sharding = tree_shardings(params, mesh, rules)
-    opt_sharding = tree_shardings(jax.eval_shape(tx.init, params), mesh, rules)
+    param_sharding = ts.tree_shardings(params, mesh, rules)
+    opt_sharding = ts.tree_shardings(jax.eval_shape(tx.init, params), mesh,
+                                     rules)
     jitted = jax.jit(step_fn, donate_argnums=(0, 1),
                      in_shardings=(param_sharding, opt_sharding, None),
                      out_shardings=(param_sharding, opt_sharding, None))
@@ -73,11 +80,9 @@ def warmup(params, graphdef, task, *, steps: int, batch_size: int,
   else:
     jitted = jax.jit(step_fn, donate_argnums=(0, 1))
     opt_state = tx.init(params)
-  params = jax.tree.map(jnp.copy, params)  # the caller's arrays survive
+  params = jax.tree.map(jnp.copy, params)
   losses = []
   for step in range(steps):
-    if should_stop():
-      return None
     batch = to_device(warmup_batch(task, step, batch_size, max_new_tokens,
                                    local))
     params, opt_state, loss = jitted(params, opt_state, batch)
@@ -85,4 +90,4 @@ def warmup(params, graphdef, task, *, steps: int, batch_size: int,
     if (step + 1) % max(steps // 5, 1) == 0 or step + 1 == steps:
       log(f"warm-up step {step + 1}/{steps}: loss "
           f"{float(np.mean(jax.device_get(losses[-10:]))):.4f}")
-  return params
+    yield step + 1, params

@@ -15,7 +15,8 @@ how much response length varies across problems.
 
 The tokenizer is character level, built with the ``tokenizers`` library and
 wrapped in ``PreTrainedTokenizerFast``, so the Hugging Face code path
-(padding, decoding, ``save_pretrained``) is the one used.
+(padding, decoding, ``save_pretrained``) is the one used. ``SyntheticTask``
+puts all of it behind ``ba_jax.tasks.Task``.
 """
 from __future__ import annotations
 
@@ -157,3 +158,103 @@ def extract_answer(response: str) -> int | None:
 def grade(response: str, p: Problem) -> float:
     """Exact-answer rule: 1.0 iff the response ends with ``Answer: <sum>``."""
     return float(extract_answer(response) == p.answer)
+
+
+class SyntheticTask:
+    """The addition task behind ``ba_jax.tasks.Task`` (``task.name``
+    "synthetic_sum"): training and warm-up problems are drawn from the seed,
+    held-out ones are never drawn for training."""
+
+    name = "synthetic_sum"
+    has_warmup = True
+
+    def __init__(self, task_cfg, *, seed: int, tokenizer, max_prompt_len: int,
+                 num_heldout: int, grader: str = "builtin"):
+        if grader not in ("builtin", "rewards"):
+            raise ValueError(
+                f"task.grader={grader!r}: expected 'builtin' or 'rewards' "
+                "(ba_jax.rewards.score_math, rule='answer')")
+        self.cfg = task_config(task_cfg)
+        self.seed, self.tokenizer, self.grader = seed, tokenizer, grader
+        self.max_prompt_len = max_prompt_len
+        self.heldout = heldout_problems(self.cfg, num_heldout, seed)
+        self._exclude = frozenset(self.heldout)
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_id = tokenizer.eos_token_id
+
+    @classmethod
+    def from_config(cls, config, tokenizer) -> "SyntheticTask":
+        return cls(config.task, seed=config.seed, tokenizer=tokenizer,
+                   max_prompt_len=config.task.max_prompt_len,
+                   num_heldout=config.eval.num_problems,
+                   grader=config.task.grader)
+
+    @staticmethod
+    def build_tokenizer(config) -> PreTrainedTokenizerFast:
+        del config  # one tokenizer for every variant
+        return build_tokenizer()
+
+    @staticmethod
+    def max_warmup_response_tokens(task_cfg) -> int:
+        return max_response_tokens(task_config(task_cfg))
+
+    def problems(self, start: int, n: int) -> list[Problem]:
+        """Training problems ``start .. start+n-1``."""
+        return train_problems(self.cfg, self.seed, start, n, self._exclude)
+
+    def warmup_examples(self, step: int, batch_size: int
+                        ) -> tuple[list[Problem], list[str]]:
+        """Warm-up batch ``step``: its own problem stream and traces."""
+        problems = train_problems(self.cfg, self.seed + 7919, step * batch_size,
+                                  batch_size, self._exclude)
+        rng = np.random.default_rng([self.seed, 3, step])
+        return problems, [sft_response(p, rng, self.cfg)[0] for p in problems]
+
+    def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
+        enc = self.tokenizer([p.prompt for p in problems],
+                             padding="max_length",
+                             max_length=self.max_prompt_len,
+                             return_tensors="np")
+        if enc["input_ids"].shape[1] != self.max_prompt_len:
+            raise ValueError(f"a prompt is longer than task.max_prompt_len="
+                             f"{self.max_prompt_len}; raise it")
+        return (enc["input_ids"].astype(np.int32),
+                enc["attention_mask"].astype(np.int32))
+
+    def encode_responses(self, texts, max_len: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """Right-padded responses ending in EOS; (ids, mask) [n, max_len]."""
+        ids = np.full((len(texts), max_len), self.pad_id, np.int32)
+        mask = np.zeros((len(texts), max_len), np.int32)
+        for i, text in enumerate(texts):
+            toks = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            toks = toks + [self.eos_id]
+            if len(toks) > max_len:
+                raise ValueError(f"warm-up response of {len(toks)} tokens "
+                                 f"exceeds rl.max_new_tokens={max_len}; "
+                                 "raise it")
+            ids[i, :len(toks)], mask[i, :len(toks)] = toks, 1
+        return ids, mask
+
+    def decode(self, tokens_NxT, mask_NxT) -> list[str]:
+        return [self.tokenizer.decode(row[m.astype(bool)],
+                                      skip_special_tokens=True)
+                for row, m in zip(np.asarray(tokens_NxT),
+                                  np.asarray(mask_NxT))]
+
+    def grade(self, texts, problems) -> tuple[np.ndarray, np.ndarray]:
+        """(rewards float32, correct bool) by the exact-answer rule."""
+        if self.grader == "rewards":
+            from ba_jax import rewards
+            out = rewards.score_math(texts, [str(p.answer) for p in problems],
+                                     rule="answer")
+            return out.scores.astype(np.float32), out.correct.astype(bool)
+        correct = np.array([grade(t, p) > 0 for t, p in zip(texts, problems)],
+                           bool)
+        return correct.astype(np.float32), correct
+
+
+def task_config(task_cfg) -> TaskConfig:
+    """The generator's fields of a config's ``task`` section."""
+    return TaskConfig(**{f.name: task_cfg[f.name]
+                         for f in dataclasses.fields(TaskConfig)})

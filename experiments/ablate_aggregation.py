@@ -26,7 +26,7 @@ import sys
 
 import numpy as np
 
-MODES = ("token", "sequence", "dr_grpo", "balanced")
+from ba_jax.aggregation import MODES
 CURVES = (("reward_mean", "training reward"),
           ("heldout_acc_sampled", "held-out accuracy (sampled)"),
           ("length_mean", "response length"),

@@ -3,6 +3,7 @@
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -197,20 +198,39 @@ def test_diagnostics_lengths_and_gap():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_no_nan_for_empty_subsets_masked_batches_zero_advantages(mode):
-  cases = {
-      "all masked": (np.zeros((8, 5)), np.array([1, -1] * 4, np.float32)),
-      "all zero adv": (np.ones((8, 5)), np.zeros(8, np.float32)),
-      "all positive": (np.ones((8, 5)), np.ones(8, np.float32)),
+def test_weights_never_nan_and_diagnostics_nan_exactly_where_undefined(mode):
+  """Weights stay finite for empty subsets, masked batches and zero
+  advantages; a diagnostic is NaN exactly when it has nothing to measure."""
+  signed = {"pos_frac", "length_gap", "length_gap_rel", "mean_len_pos",
+            "mean_len_neg"}
+  cases = {  # mask, advantages, the diagnostics that are undefined
+      "all masked": (np.zeros((8, 5)), np.array([1, -1] * 4, np.float32),
+                     {"length_cv", "pos_share", "length_gap_rel"}),
+      "all zero adv": (np.ones((8, 5)), np.zeros(8, np.float32),
+                       signed | {"pos_share"}),
+      "all positive": (np.ones((8, 5)), np.ones(8, np.float32),
+                       {"length_gap", "length_gap_rel", "mean_len_neg"}),
       "masked positives": (_prefix_mask([0, 0, 3, 3] * 2, 5),
-                           np.array([1, 1, -1, -1] * 2, np.float32)),
+                           np.array([1, 1, -1, -1] * 2, np.float32), set()),
   }
-  for name, (mask, adv) in cases.items():
+  for name, (mask, adv, undefined) in cases.items():
     w = agg.token_weights(mask, adv, mode=mode, group_size=4,
                           max_response_len=5)
+    assert np.all(np.isfinite(np.asarray(w))), (mode, name)
     d = agg.diagnostics(w, mask, adv, group_size=4)
-    for value in [w, *d.values()]:
-      assert np.all(np.isfinite(np.asarray(value))), (mode, name)
+    nan = {k for k, v in d.items() if np.isnan(float(v))}
+    assert nan == undefined, (mode, name)
+
+
+def test_host_and_device_diagnostics_agree():
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(0, 9, 16).astype(np.float64)
+  adv = rng.normal(size=16).round()
+  host = agg.length_diagnostics(lengths, adv, group_size=4, xp=np)
+  device = agg.length_diagnostics(jnp.asarray(lengths, jnp.float32),
+                                  jnp.asarray(adv), group_size=4)
+  for key, value in host.items():
+    assert float(device[key]) == pytest.approx(float(value), rel=1e-6), key
 
 
 def test_unknown_options_raise_listing_valid_ones():

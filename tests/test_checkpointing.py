@@ -10,7 +10,7 @@ import pytest
 import torch
 from flax import nnx
 
-from ba_jax import checkpointing, export, metrics as metrics_lib, trainer
+from ba_jax import checkpointing, export, metrics as metrics_lib, run_setup, trainer
 import trainer_utils as tu
 
 # Metrics that depend on wall time differ between runs; all others must not.
@@ -110,7 +110,7 @@ def test_sigterm_saves_and_the_run_resumes(tmp_path):
   assert f"resumed from {workdir / 'checkpoints'} at step {stopped_at}" in (
       done.stdout)
   straight = trainer.run(_fast_config(), str(tmp_path / "straight"))
-  model, _, _ = checkpointing.restore_policy(str(workdir))
+  model, _, _ = run_setup.restore_policy(str(workdir))
   assert tu.max_abs_diff(tu.host_params(nnx.state(model)),
                          tu.host_params(straight["state"])) == 0.0
 
@@ -123,7 +123,7 @@ def test_restore_onto_another_mesh_and_export(tmp_path):
                            "model.num_heads": 2})
   out = trainer.run(config, workdir)
   saved = tu.host_params(out["state"])
-  model, model_config, tokenizer = checkpointing.restore_policy(
+  model, model_config, tokenizer = run_setup.restore_policy(
       workdir, mesh_shape={"data": 2, "fsdp": 2, "tensor": 2})
   embed = nnx.state(model)["embed_tokens"].get_value()
   assert embed.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")

@@ -145,56 +145,6 @@ def test_prompt_templates():
     data.format_prompt(example, "chat")
 
 
-def numbered(n):
-  return [data.Example(problem=f"p{i}", answer=str(i), source="t") for i in range(n)]
-
-
-def ids(batch):
-  return [int(e.answer) for e in batch]
-
-
-def test_iterator_shuffles_each_epoch_deterministically():
-  examples = numbered(10)
-  a = data.PromptIterator(examples, batch_size=3, seed=7)
-  b = data.PromptIterator(examples, batch_size=3, seed=7)
-  epoch0 = [ids(next(a)) for _ in range(3)]
-  assert epoch0 == [ids(next(b)) for _ in range(3)]
-  epoch1 = [ids(next(a)) for _ in range(3)]
-  flat0, flat1 = sum(epoch0, []), sum(epoch1, [])
-  assert len(set(flat0)) == 9 and len(set(flat1)) == 9  # no repeats inside an epoch
-  assert flat0 != flat1  # a fresh order every epoch
-  other_seed = data.PromptIterator(examples, batch_size=3, seed=8)
-  assert [ids(next(other_seed)) for _ in range(3)] != epoch0
-
-
-def test_iterator_resumes_exactly_across_epochs():
-  examples = numbered(11)
-  it = data.PromptIterator(examples, batch_size=4, seed=3)
-  for _ in range(5):  # 2 steps per epoch: stop inside epoch 2
-    next(it)
-  state = json.loads(json.dumps(it.state_dict()))  # survives a JSON round trip
-  expected = [ids(next(it)) for _ in range(7)]
-  resumed = data.PromptIterator(examples, batch_size=4, seed=3)
-  resumed.load_state_dict(state)
-  assert [ids(next(resumed)) for _ in range(7)] == expected
-  with pytest.raises(ValueError, match="seed=3 but this iterator has seed=4"):
-    data.PromptIterator(examples, batch_size=4, seed=4).load_state_dict(state)
-
-
-def test_iterator_gives_hosts_disjoint_slices_of_the_global_batch():
-  examples = numbered(24)
-  single = data.PromptIterator(examples, batch_size=8, seed=0)
-  hosts = [data.PromptIterator(examples, batch_size=8, seed=0, process_index=i, process_count=4)
-           for i in range(4)]
-  for _ in range(6):  # two epochs
-    global_batch = ids(next(single))
-    parts = [ids(next(h)) for h in hosts]
-    assert all(len(p) == 2 for p in parts)
-    assert sum(parts, []) == global_batch
-  with pytest.raises(ValueError, match="multiple of process_count=3"):
-    data.PromptIterator(examples, batch_size=8, seed=0, process_count=3)
-
-
 def test_a_dataset_directory_goes_through_hf_datasets(tmp_path):
   # A directory that is not an eval-set layout is handed to `datasets.load_dataset`, as is a
   # dataset name found in the local Hugging Face cache.

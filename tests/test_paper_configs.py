@@ -10,7 +10,7 @@ from ml_collections import config_flags
 
 from ba_jax import aggregation
 from ba_jax import model as model_lib
-from ba_jax import trainer
+from ba_jax import run_setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # config file -> (parameters the model card states, model_type)
@@ -50,7 +50,7 @@ def test_loads_locked_and_rejects_a_typo(path):
 def test_every_aggregation_variant(path, mode):
   config = load(path, f"agg={mode}")
   assert config.loss.aggregation == mode
-  assert trainer.step_config(config).aggregation == mode
+  assert run_setup.step_config(config).aggregation == mode
 
 
 def test_unknown_variant_is_named(path):
@@ -92,7 +92,7 @@ def test_recipe(path):
   assert c.init_from and c.task.path  # placeholders the user replaces
   # 512 prompts x 16 responses split into whole groups, micro-batches and
   # the 16 batch shards of the pod mesh on 64 devices.
-  trainer.step_config(c).check_batch(512 * 16, data_shards=16)
+  run_setup.step_config(c).check_batch(512 * 16, data_shards=16)
 
 
 def test_model_fields_build_the_model_of_the_stated_size(path):
@@ -133,3 +133,115 @@ def _flatten(config, prefix=""):
     else:
       out[f"{prefix}{key}"] = value
   return out
+
+
+FIXTURES = ROOT / "tests" / "fixtures"
+# What any CPU test of a paper config must shrink (the paper's batch, budget
+# and 64-device mesh); nothing about the model.
+CPU_SHRINK = ["--config.rl.steps=1", "--config.rl.prompts_per_step=4",
+              "--config.rl.group_size=2", "--config.rl.max_new_tokens=16",
+              "--config.rl.num_minibatches=1", "--config.rl.num_microbatches=1",
+              "--config.rl.max_sampling_rounds=0",
+              "--config.task.max_prompt_len=192", "--config.mesh.fsdp=1",
+              "--config.mesh.tensor=1", "--config.eval.num_problems=1",
+              "--config.eval.samples_per_problem=1",
+              "--config.log.progress_bar=False"]
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory):
+  """A tiny random Llama-family checkpoint in float32, tokenizer included."""
+  from model_utils import save_tiny_model
+  return save_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+
+
+def _paper_overrides(checkpoint, *extra):
+  return [f"--config.init_from={checkpoint}",
+          f"--config.task.path={FIXTURES / 'polaris.jsonl'}",
+          f"--config.eval.data_dir={FIXTURES / 'eval'}", *CPU_SHRINK, *extra]
+
+
+@pytest.mark.slow
+def test_paper_config_trains_a_step_from_any_llama_checkpoint(
+    llama_checkpoint, tmp_path):
+  """configs/qwen3_1p7b_polaris.py on a tiny Llama checkpoint, with only
+  init_from, the data paths and CPU_SHRINK set: the architecture comes from
+  the checkpoint, the weights in the config's bfloat16 param_dtype."""
+  from ba_jax import trainer
+  overrides = _paper_overrides(llama_checkpoint)
+  config = load("configs/qwen3_1p7b_polaris.py", overrides=overrides)
+  assert config.model.model_type == "qwen3"  # the config file's own
+  out = trainer.run(config, str(tmp_path), explicit={
+      o.split("=")[0][len("--config."):] for o in overrides})
+  assert out["step"] == 1 and out["stopped"] is None
+  assert set(out["after_rl"]) == {"heldout_acc_sampled", "heldout_acc_greedy"}
+  record = out["history"][0]
+  assert np.isfinite(record["loss"]) and record["nonfinite"] == 0
+  leaves = jax.tree.leaves(out["state"].params)
+  assert {x.dtype for x in leaves} == {jax.numpy.dtype("bfloat16")}
+  # The run's files describe the model that ran, so export needs only them.
+  model, model_config, _ = run_setup.restore_policy(str(tmp_path))
+  assert (model_config.model_type, model_config.hidden_size,
+          model_config.num_kv_heads) == ("llama", 64, 1)
+  assert run_setup.load_run_config(str(tmp_path)).model.hidden_size == 64
+  restored = jax.tree.leaves(nnx.state(model))
+  assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+             for a, b in zip(restored, leaves))
+
+
+def test_init_from_loads_in_param_dtype(llama_checkpoint):
+  """init_from honours model.param_dtype, as a resume does: a float32
+  checkpoint becomes bfloat16 parameters, equal after rounding."""
+  from safetensors.numpy import load_file
+  config = load("configs/qwen3_1p7b_polaris.py",
+                overrides=_paper_overrides(llama_checkpoint))
+  setup = run_setup.make_setup(config)
+  assert setup.model_config.param_dtype == "bfloat16"
+  params = run_setup.init_params(setup)
+  from ba_jax import hf
+  (spec,) = [w for w in hf.weight_specs(setup.model_config)
+             if w.hf_name == "model.embed_tokens.weight"]
+  embed = nnx.to_pure_dict(params)
+  for key in spec.path:
+    embed = embed[key]
+  assert embed.dtype == jax.numpy.bfloat16
+  stored = load_file(str(llama_checkpoint / "model.safetensors"))[
+      "model.embed_tokens.weight"]
+  assert stored.dtype == np.float32
+  np.testing.assert_array_equal(
+      np.asarray(embed), stored.astype(jax.numpy.bfloat16))
+  assert jax.tree.structure(params) == jax.tree.structure(
+      setup.abstract_params)
+
+
+def test_an_explicit_architecture_override_must_match_the_checkpoint(
+    llama_checkpoint):
+  """The config file's architecture gives way to the checkpoint's; the same
+  field set on the command line to another value is an error naming both."""
+  overrides = _paper_overrides(llama_checkpoint,
+                               "--config.model.hidden_size=2048")
+  config = load("configs/qwen3_1p7b_polaris.py", overrides=overrides)
+  with pytest.raises(ValueError, match=r"model.hidden_size=2048 .* "
+                     r"hidden_size=64"):
+    run_setup.make_setup(config, explicit={"model.hidden_size"})
+  # Set to the checkpoint's own value, it is no conflict.
+  config = load("configs/qwen3_1p7b_polaris.py", overrides=_paper_overrides(
+      llama_checkpoint, "--config.model.hidden_size=64"))
+  setup = run_setup.make_setup(config, explicit={"model.hidden_size"})
+  assert setup.model_config.model_type == "llama"
+  assert setup.config.model.num_layers == 2  # the model section as built
+
+
+def test_command_line_names_a_conflicting_override(llama_checkpoint,
+                                                   tmp_path):
+  import subprocess
+  import sys
+  proc = subprocess.run(
+      [sys.executable, "-m", "ba_jax.train",
+       "--config=configs/qwen3_1p7b_polaris.py", f"--workdir={tmp_path}",
+       *_paper_overrides(llama_checkpoint, "--config.model.num_layers=28")],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert "model.num_layers=28" in proc.stderr
+  assert "num_layers=2" in proc.stderr
+  assert not list(tmp_path.iterdir())  # nothing ran

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from ba_jax import metrics as metrics_lib, trainer
+from ba_jax import metrics as metrics_lib, run_setup, trainer
 import trainer_utils as tu
 
 
@@ -83,7 +83,7 @@ def test_non_finite_updates_in_a_row_stop_the_run(tmp_path):
   assert int(out["state"].nonfinite) == out["step"]
   from ba_jax import checkpointing
   assert checkpointing.Checkpointer(str(tmp_path)).all_steps() == [0]
-  start = tu.host_params(trainer.init_params(trainer.make_setup(config)))
+  start = tu.host_params(run_setup.init_params(run_setup.make_setup(config)))
   assert tu.max_abs_diff(tu.host_params(out["state"]), start) == 0.0
 
 
@@ -119,8 +119,9 @@ def test_dataset_task_streams_formats_and_grades():
   rewards, correct = task.grade([f"so \\boxed{{{p.answer}}}", "no idea"],
                                 [p, p])
   assert rewards.tolist() == [1.0, -1.0] and correct.tolist() == [True, False]
+  assert not task.has_warmup
   with pytest.raises(ValueError, match="sft.steps=0"):
-    task.problems(0, 1, stream=1)
+    task.warmup_examples(0, 1)
 
 
 @pytest.mark.parametrize("config_file,data", [

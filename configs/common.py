@@ -1,0 +1,213 @@
+"""What every config shares: the variant parser, and each section's keys with
+their documented defaults. A config file starts from ``base()`` and states
+only what differs; ``configs/tiny.py`` is the smallest example.
+
+Config files load this one by path (``configs/`` is not a package)::
+
+    common = _load_common()  # see the bottom of any config file
+
+The sharding rules are not copied here: every config uses the one table,
+``ba_jax.sharding.DEFAULT_RULES`` (logical axis name -> mesh axes), so a new
+logical axis name is added there once.
+"""
+import ml_collections
+from ml_collections import config_dict
+
+from ba_jax import sharding
+
+
+def parse_variants(arg, allowed: dict[str, str], config_file: str) -> dict:
+  """``key=value,flag`` (what follows the colon in ``--config=file.py:...``)
+  as a dict; a key not in ``allowed`` (name -> what it sets) is an error."""
+  out = {}
+  for item in filter(None, (arg or "").split(",")):
+    key, _, value = item.partition("=")
+    out[key] = value if value else True
+  unknown = sorted(set(out) - set(allowed))
+  if unknown:
+    expected = "; ".join(f"{k}: {v}" for k, v in allowed.items())
+    raise ValueError(f"{config_file}: unknown variant(s) {unknown} in {arg!r};"
+                     f" expected some of: {expected}")
+  return out
+
+
+def base(aggregation: str = "balanced") -> ml_collections.ConfigDict:
+  """Every section but ``model`` and ``task``, at the defaults of the tiny
+  CPU job; comments say what each key does."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # parameters, data stream and sampling all derive from it
+
+  # A Hugging Face directory (config.json, safetensors, tokenizer) to start
+  # from, read by ba_jax.hf.load_pretrained; "" builds a random model from
+  # config.model. With it set, the architecture is the checkpoint's own and
+  # config.model supplies only dtype, param_dtype, remat and attention_*.
+  c.init_from = ""
+
+  # Supervised warm-up before RL; steps=0 skips it.
+  c.sft = ml_collections.ConfigDict(dict(
+      steps=0,  # optimizer steps
+      batch_size=64,  # sequences per step
+      learning_rate=3e-3,  # peak, warmup then cosine to 10%
+      warmup_steps=20,
+  ))
+
+  # GRPO.
+  c.rl = ml_collections.ConfigDict(dict(
+      steps=60,  # train steps (each: sample, reward, PPO epochs)
+      prompts_per_step=16,  # B; the global batch is B * group_size rows
+      group_size=8,  # G responses per prompt
+      max_new_tokens=32,  # T, response budget (truncated after)
+      temperature=1.0,  # sampling temperature; the loss scores at it too
+      top_p=1.0,  # nucleus sampling (1.0 = off)
+      top_k=0,  # top-k sampling (0 = off)
+      ppo_epochs=1,  # passes over the batch per step
+      num_minibatches=2,  # optimizer updates per epoch (whole groups each)
+      num_microbatches=1,  # gradient accumulation inside a mini-batch
+      old_logp="sampler",  # sampler | recompute: the behaviour log-probs
+      advantage_std="group",  # group | batch | none (Dr. GRPO)
+      dynamic_sampling=False,  # DAPO: drop groups whose rewards are all equal
+      max_sampling_rounds=3,  # extra sampling rounds to refill (DAPO)
+      overlong="none",  # none | mask (drop truncated) | soft (DAPO penalty)
+      overlong_buffer=8,  # soft: penalty ramps over the last this many tokens
+      overlong_penalty=1.0,  # soft: penalty at the budget
+      max_nonfinite=5,  # this many non-finite updates in a row stops the run
+  ))
+
+  # Loss (ba_jax.losses.policy_loss); every option is static in the step.
+  c.loss = ml_collections.ConfigDict(dict(
+      aggregation=aggregation,  # token | sequence | dr_grpo | balanced
+      eps_low=0.2,  # clip range below 1
+      eps_high=0.28,  # clip range above 1 (clip-higher when > eps_low)
+      dual_clip=config_dict.placeholder(float),  # c > 1 caps A < 0; None = off
+      kl_coef=0.0,  # > 0 loads a frozen reference policy
+      kl_type="k3",  # k1 | k2 | k3
+      entropy_coef=0.0,  # entropy bonus
+      reg_aggregation="token",  # mode aggregating the KL and entropy terms
+      max_response_len=config_dict.placeholder(int),  # dr_grpo; None = T
+      ba_denominator="group",  # group | signed
+      ba_scope="group",  # group | batch
+  ))
+
+  # optax AdamW for RL (ba_jax.train_step.make_optimizer).
+  c.optim = ml_collections.ConfigDict(dict(
+      learning_rate=1e-4,  # peak
+      warmup_steps=2,  # linear warm-up from 0, in optimizer updates
+      schedule="constant",  # constant | cosine (to end_lr_frac * peak)
+      end_lr_frac=0.1,  # cosine only
+      weight_decay=0.0,
+      b1=0.9,
+      b2=0.999,
+      eps=1e-8,
+      grad_clip=1.0,  # clip by global norm; 0 = off
+  ))
+
+  # Devices: one mesh; -1 takes the remaining devices. Logical parameter and
+  # activation names map to mesh axes through the rules table.
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  c.sharding_rules = sharding.DEFAULT_RULES
+
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      every=30,  # save every this many RL steps (and at the end); 0 = end only
+      keep=2,  # checkpoints kept
+      async_save=True,
+  ))
+  c.eval = ml_collections.ConfigDict(dict(
+      num_problems=128,  # held-out problems (per benchmark; 0 = all)
+      samples_per_problem=4,  # sampled accuracy: responses per problem
+      temperature=1.0,  # sampled accuracy temperature (greedy also reported)
+      every=0,  # evaluate every this many RL steps (0: before/after only)
+  ))
+  c.log = ml_collections.ConfigDict(dict(
+      tensorboard=True,
+      progress_bar=True,  # off for pod logs: one line per step
+  ))
+  c.stop_after_steps = 0  # > 0: stop (save and exit) after this many steps
+  return c
+
+
+def model(**fields) -> ml_collections.ConfigDict:
+  """A ``model`` section: ``fields`` (ba_jax.model.ModelConfig's) over the
+  defaults of how to run it."""
+  return ml_collections.ConfigDict(dict(dict(
+      dtype="float32",  # compute dtype
+      param_dtype="float32",  # parameters and optimizer moments
+      remat=False,  # rematerialise each layer in the backward pass
+      # Uncached attention: "full" builds the [L, L] score matrix; "blockwise"
+      # runs over attention_block x attention_block tiles (flash-style).
+      attention_impl="full",
+      attention_block=512,
+  ), **fields))
+
+
+PAPER_VARIANTS = {"agg": "<aggregation mode>", "param_dtype": "<dtype>"}
+
+
+def paper_config(arg, config_file: str, **architecture
+                 ) -> ml_collections.ConfigDict:
+  """A paper setting: its variants (``PAPER_VARIANTS``), ``base()``, the
+  model ``architecture`` (ModelConfig fields) and ``dapo_recipe``; the
+  caller adds ``init_from`` and the task."""
+  args = parse_variants(arg, PAPER_VARIANTS, config_file)
+  c = base(aggregation=args.get("agg", "balanced"))
+  c.model = model(**architecture)
+  dapo_recipe(c, param_dtype=args.get("param_dtype", "bfloat16"))
+  return c
+
+
+def dapo_recipe(c: ml_collections.ConfigDict, param_dtype: str) -> None:
+  """The paper settings' shared recipe (DAPO's published one, Yu et al.
+  2025, where the paper is silent), applied to ``c`` in place.
+
+  AdamW lr 1e-6 after 10 warm-up steps then constant, weight decay 0.1,
+  gradient clipping 1.0; 512 prompts x 16 responses per step in 16
+  mini-batches of 32 prompts; 20480 response tokens with a 4096-token soft
+  overlong penalty; clip 0.2 / 0.28 (clip-higher); no KL; temperature 1,
+  top-p 1; dynamic sampling; bfloat16 compute, remat and blockwise
+  attention; the six math benchmarks held out. RL steps are our choice.
+
+  bfloat16 parameters (``param_dtype``'s default) keep 8 significant bits:
+  an AdamW step of ~1e-6 on a weight of magnitude 1e-2 is below half an ulp
+  there (~3e-5) and is rounded away. ``param_dtype="float32"`` keeps float32
+  master weights and optimizer moments with bfloat16 compute (~16 bytes per
+  parameter).
+  """
+  c.init_from = "/path/to/checkpoint"  # SET IT (a local HF directory)
+  c.model.update(dtype="bfloat16", param_dtype=param_dtype, remat=True,
+                 # the full [L, L] float32 scores at L = 22528 would be
+                 # ~2 GB per row, head and layer
+                 attention_impl="blockwise", attention_block=1024)
+  c.sft.update(steps=0, batch_size=512, learning_rate=1e-6, warmup_steps=0)
+  c.rl.update(
+      steps=400, prompts_per_step=512, group_size=16, max_new_tokens=20480,
+      num_minibatches=16,
+      # 512-row mini-batches in 16-row micro-batches: one row per batch
+      # shard with data x fsdp = 16; raise this on a larger pod.
+      num_microbatches=32,
+      # The trainer would recompute in one forward over the whole batch,
+      # far too large at this scale: the sampler's log-probs are used.
+      old_logp="sampler", dynamic_sampling=True, overlong="soft",
+      overlong_buffer=4096)
+  c.optim.update(learning_rate=1e-6, warmup_steps=10, weight_decay=0.1)
+  # -1 takes the remaining devices: a multiple of 64 (fsdp 16 x tensor 4).
+  c.mesh.update(fsdp=16, tensor=4)
+  c.checkpoint.update(every=20, keep=3)
+  c.eval = ml_collections.ConfigDict(dict(
+      benchmarks="aime24,aime25,amc23,math500,minerva,olympiadbench",
+      data_dir="/path/to/eval",  # SET IT: <benchmark>.jsonl files
+      num_problems=0,  # problems per benchmark; 0 = all
+      samples_per_problem=16,  # avg@k / pass@k
+      temperature=1.0,  # sampling temperature (greedy also reported)
+      every=50,  # evaluate every this many RL steps (0: before/after only)
+  ))
+  c.log.progress_bar = False
+
+
+def math_task(**fields) -> ml_collections.ConfigDict:
+  """A dataset task section (ba_jax.dataset_task): ``fields`` (name, path,
+  the loader's filters, template and rule) over the shared grading."""
+  return ml_collections.ConfigDict(dict(dict(
+      grader="rewards",  # ba_jax.rewards.score_math (math-verify)
+      correct_score=1.0,  # reward of a correct response
+      incorrect_score=-1.0,  # reward of a wrong or unparsable one
+      max_prompt_len=2048,  # prompt tokens, left-padded (static shape)
+  ), **fields))
