@@ -14,6 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ba_jax"
 
 LAYERS = (
+    ("sandboxed child processes", ("sandbox_launcher", "sandbox_harness")),
     ("the loss", ("aggregation", "advantages", "losses", "microbatch")),
     ("the policy", ("attention", "model", "sharding", "hf", "scoring",
                     "sampler")),
