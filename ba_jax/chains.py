@@ -15,9 +15,9 @@ grows by one chain's worth per chain; ``r`` is the policy's to choose.
 Two knobs set what the paper's analysis of aggregation turns on:
 
 * ``chain_counts``: the warm-up data draws ``r`` uniformly from this set, so
-  its spread sets the within-group length variation ((4, 5): CV about 0.1;
-  (1, 2, 4, 8): CV above 0.5). A group shares its prompt, so ``r`` is the only
-  source of length variation inside a group.
+  its spread sets the within-group length variation (warm-up data, groups of
+  8: CV 0.09 for (4, 5), 0.51 for (1, 2, 4, 8), 0.61 for (1, 2, 8)). A group
+  shares its prompt, so ``r`` is the only source of length variation in it.
 * ``rule``, the verifier: ``"answer"`` (only ``Answer: S`` counts, no length
   gap by construction), ``"min_chains:k"`` (also every chain right and
   ``r >= k``: correct responses are the longer ones, a positive gap) or

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import glob
 import io
 import json
@@ -153,8 +154,8 @@ def _evalplus_tests(path, row, record, entry_point, prompt) -> tuple:
   if record.get("base_input") is None:
     _fail(path, row, "test", "missing, and no 'base_input' to test against either "
           f"(row has fields {sorted(record)})")
-  reference = build_program(prompt, _string(path, row, record, "canonical_solution"),
-                            entry_point)
+  solution_field = "canonical_solution" if "canonical_solution" in record else "code"
+  reference = build_program(prompt, _string(path, row, record, solution_field), entry_point)
   atol = record.get("atol") or 0
   if not isinstance(atol, (int, float)):
     _fail(path, row, "atol", f"expected a number, got {atol!r}")
@@ -245,7 +246,10 @@ def load_livecodebench(path: str) -> list[CodeExample]:
             "all 'functional'")
     metadata = record.get("metadata") or {}
     if isinstance(metadata, str):
-      metadata = json.loads(metadata) if metadata.strip() else {}
+      try:
+        metadata = json.loads(metadata) if metadata.strip() else {}
+      except json.JSONDecodeError as e:
+        _fail(path, row, "metadata", f"not valid JSON ({e}): {metadata[:80]!r}")
     if types == {"functional"}:
       func_name = metadata.get("func_name")
       if not isinstance(func_name, str) or not func_name.isidentifier():
@@ -261,6 +265,35 @@ def load_livecodebench(path: str) -> list[CodeExample]:
         meta={k: record[k] for k in ("question_title", "platform", "contest_date", "difficulty")
               if k in record} | {"row": row}))
   return examples
+
+
+_IMPORT = re.compile(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", re.M)
+
+
+def check_test_imports(examples: list[CodeExample]) -> None:
+  """Raises when tests import a module the sandbox's interpreter lacks (EvalPlus'
+  `test` strings import numpy): every sample would fail, so say so instead."""
+  import sys
+  from ba_jax import sandbox
+  wanted = {}
+  for e in examples:
+    for case in e.tests:
+      if isinstance(case, str):
+        for module in _IMPORT.findall(case):
+          if module not in sys.stdlib_module_names:
+            wanted.setdefault(module, e.task_id)
+  for module, task_id in sorted(wanted.items()):
+    if not _sandbox_can_import(module):
+      raise ValueError(
+          f"{task_id}: its tests import {module!r}, which the sandbox interpreter "
+          f"{sandbox.sandbox_python()} cannot import; install it there or use the "
+          "benchmark's release layout (base_input/plus_input), which needs no extra modules")
+
+
+@functools.lru_cache(maxsize=None)
+def _sandbox_can_import(module: str) -> bool:
+  from ba_jax import sandbox
+  return sandbox.run_program(f"import {module}\n").returncode == 0
 
 
 def _find_file(key: str, path: str) -> str:

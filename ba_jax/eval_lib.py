@@ -121,6 +121,7 @@ def code_limits(settings: EvalSettings):
 def grade_code(examples: Sequence[code_data.CodeExample], responses: Sequence[Sequence[str]], *,
                limits=None, pool: rewards.RewardPool | None = None) -> rewards.RewardBatch:
   """Runs every response (row-major: problem, then sample) against its problem's tests."""
+  code_data.check_test_imports(list(examples))
   programs, tests = [], []
   for example, group in zip(examples, responses):
     for response in group:

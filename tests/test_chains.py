@@ -128,15 +128,18 @@ def test_chain_count_spread_sets_within_group_length_cv(counts, low, high):
   assert low <= cv <= high, cv
 
 
-@pytest.mark.parametrize("rule,sign", [("answer", 0), ("min_chains:4", 1),
-                                       ("max_chains:2", -1)])
-def test_verifier_rule_sets_the_sign_of_the_length_gap(rule, sign):
-  task = chains.ChainsConfig(chain_counts=(1, 2, 4, 8), rule=rule)
-  lengths, correct = group_lengths(task)
+@pytest.mark.parametrize("counts,rule,sign", [
+    ((1, 2, 4, 8), "answer", 0), ((1, 2, 4, 8), "min_chains:4", 1),
+    ((1, 2, 4, 8), "max_chains:2", -1), ((1, 2, 8), "answer", 0),
+    ((1, 2, 8), "min_chains:2", 1), ((1, 2, 8), "max_chains:2", -1)])
+def test_verifier_rule_sets_the_sign_of_the_length_gap(counts, rule, sign):
+  task = chains.ChainsConfig(chain_counts=counts, rule=rule)
+  lengths, correct = group_lengths(task, problems=400)
   gap, rel = within_group_gap(lengths, correct)
   if sign == 0:
-    # A wrong trace differs from the right one by at most a few digits.
-    assert abs(rel) < 0.05 and abs(gap) < 2.0, (gap, rel)
+    # A wrong trace differs from the right one by at most a few digits; what
+    # remains is sampling noise (about +-0.04 over seeds at this size).
+    assert abs(rel) < 0.06 and abs(gap) < 2.5, (gap, rel)
   else:
     assert sign * rel >= 0.3, (gap, rel)
 

@@ -184,3 +184,10 @@ def test_cli_end_to_end_with_code_benchmarks(tmp_path):
   for row in ("| humanevalplus | 2 | 0.0 | 0.0 | 0.0 |", "| livecodebench | 2 | 0.0 | 0.0 | 0.0 |",
               "| aime24 | 2 |"):
     assert row in table
+
+
+def test_tests_needing_a_module_the_sandbox_lacks_are_an_error():
+  example = code_data.CodeExample(task_id="Mbpp/9", prompt="", kind="function", source="mbppplus",
+                                  entry_point="f", tests=("import no_such_module_xyz\nf()\n",))
+  with pytest.raises(ValueError, match="Mbpp/9: its tests import 'no_such_module_xyz'"):
+    eval_lib.grade_code([example], [["def f():\n    pass\n"]])
