@@ -84,10 +84,7 @@ def evaluate_benchmarks(generate_fn: GenerateFn, benchmarks: dict[str, Sequence[
       continue
     start = time.monotonic()
     prompts = [data_lib.format_prompt(e, settings.template, tokenizer) for e in examples]
-    responses = generate_fn(prompts, n)
-    if len(responses) != len(prompts) or any(len(r) != n for r in responses):
-      raise ValueError(f"{name}: generate_fn must return {len(prompts)} lists of {n} responses, "
-                       f"got {[len(r) for r in responses]}")
+    responses = _generate(name, generate_fn, prompts, n)
     flat = [r for group in responses for r in group]
     truths = [e.answer for e in examples for _ in range(n)]
     batch = rewards.score_math(flat, truths, rule=settings.rule, pool=pool,
@@ -257,6 +254,20 @@ def make_generate_fn(model, config, tokenizer, *, max_new_tokens: int, temperatu
   return generate
 
 
+def load_benchmark(benchmark: str, data_dir: str) -> tuple[str, list]:
+  """(canonical name, examples) of a math (`data.EVAL_SETS`) or code
+  (`code_data.CODE_SETS`) benchmark."""
+  if code_data.is_code_benchmark(benchmark):
+    name = code_data.canonical_code_name(benchmark)
+    return name, code_data.load_code_set(name, data_dir)
+  try:
+    name = data_lib.canonical_eval_name(benchmark)
+  except ValueError:
+    raise ValueError(f"unknown benchmark {benchmark!r}; expected one of "
+                     f"{sorted(data_lib.EVAL_SETS) + list(code_data.CODE_SETS)}") from None
+  return name, list(data_lib.load_eval_set(name, data_dir))
+
+
 def run_evaluation(model_path: str, benchmarks: Sequence[str], data_dir: str, output_dir: str, *,
                    settings: EvalSettings, max_new_tokens: int = 1024, temperature: float = 0.6,
                    top_p: float = 1.0, top_k: int = 0, batch_size: int = 8, seed: int = 0,
@@ -265,13 +276,8 @@ def run_evaluation(model_path: str, benchmarks: Sequence[str], data_dir: str, ou
   """Loads the policy and the benchmarks, evaluates, writes results.json and results.md."""
   sets = {}
   for benchmark in benchmarks:
-    if code_data.is_code_benchmark(benchmark):
-      name = code_data.canonical_code_name(benchmark)
-      examples = code_data.load_code_set(name, data_dir)
-    else:
-      name = data_lib.canonical_eval_name(benchmark)
-      examples = data_lib.load_eval_set(name, data_dir)
-    sets[name] = list(examples)[:limit] if limit else list(examples)
+    name, examples = load_benchmark(benchmark, data_dir)
+    sets[name] = examples[:limit] if limit else examples
   model, config, tokenizer = load_policy(model_path, step=step)
   generate = make_generate_fn(model, config, tokenizer, max_new_tokens=max_new_tokens,
                               temperature=temperature, top_p=top_p, top_k=top_k,

@@ -191,3 +191,12 @@ def test_tests_needing_a_module_the_sandbox_lacks_are_an_error():
                                   entry_point="f", tests=("import no_such_module_xyz\nf()\n",))
   with pytest.raises(ValueError, match="Mbpp/9: its tests import 'no_such_module_xyz'"):
     eval_lib.grade_code([example], [["def f():\n    pass\n"]])
+
+
+def test_benchmark_names_pick_the_loader():
+  name, examples = eval_lib.load_benchmark("MBPP+", str(CODE_DIR))
+  assert name == "mbppplus" and isinstance(examples[0], code_data.CodeExample)
+  name, examples = eval_lib.load_benchmark("aime_2024", str(CODE_DIR.parent / "eval"))
+  assert name == "aime24" and isinstance(examples[0], data.Example)
+  with pytest.raises(ValueError, match="unknown benchmark 'gsm8k'; expected one of .*livecodebench"):
+    eval_lib.load_benchmark("gsm8k", str(CODE_DIR))
