@@ -33,6 +33,8 @@ RIGHT = {
     "incr_list": "    return [x + 1 for x in l]\n",
     "similar_elements": "def similar_elements(a, b):\n    return tuple(sorted(set(a) & set(b))[::-1])\n",
     "is_not_prime": "def is_not_prime(n):\n    return n == 1 or any(n % d == 0 for d in range(2, n))\n",
+    "Diff": (  # another order than the reference's: EvalPlus compares this task as sets
+        "def Diff(a, b):\n    return sorted(set(a) ^ set(b), reverse=True)\n"),
     "": "a, b = map(int, input().split())\nprint(a + b)\n```",  # the prompt opened the fence
     "maxValue": "class Solution:\n    def maxValue(self, nums, k):\n        return max(nums) * k\n```",
 }
@@ -43,6 +45,7 @@ WRONG = {
     "incr_list": "    return l\n",
     "similar_elements": "def similar_elements(a, b):\n    return tuple(set(a) | set(b))\n",
     "is_not_prime": "def is_not_prime(n):\n    return n % 2 == 0\n",  # wrong on 35 only
+    "Diff": "def Diff(a, b):\n    return sorted(set(a) - set(b))\n",
     "": "print(3)\n```",  # passes the public case only
     "maxValue": "class Solution:\n    def maxValue(self, nums, k):\n        return max(nums) + k\n```",
 }
@@ -59,7 +62,7 @@ def test_loaders_read_every_published_layout():
   # base_input + plus_input: two sandboxed runs; empty plus_input: one; a `test`: one.
   assert [len(e.tests) for e in he] == [2, 2, 1, 1]
   assert he[3].tests[0].rstrip().endswith("check(incr_list)")
-  assert [e.entry_point for e in mbpp] == ["similar_elements", "is_not_prime"]
+  assert [e.entry_point for e in mbpp] == ["similar_elements", "is_not_prime", "Diff"]
   stdin, leetcode = lcb
   assert (stdin.kind, leetcode.kind, leetcode.entry_point) == ("stdin", "leetcode", "maxValue")
   # One public case plus two private ones stored as a base64 zlib pickle.
