@@ -184,10 +184,17 @@ def max_response_tokens(task: ChainsConfig) -> int:
           + task.max_terms + 1 + 1)
 
 
+TRAINER_KEYS = ("name", "grader", "max_prompt_len")
+
+
 def config_from(task_cfg) -> ChainsConfig:
-  """A ``ChainsConfig`` from the config's ``task`` section (extra keys such as
-  ``name`` and ``max_prompt_len`` are the trainer's)."""
+  """A ``ChainsConfig`` from the config's ``task`` section (``TRAINER_KEYS``
+  are the trainer's; any other key is a typo)."""
   fields = [f.name for f in dataclasses.fields(ChainsConfig)]
+  unknown = sorted(set(task_cfg.keys()) - set(fields) - set(TRAINER_KEYS))
+  if unknown:
+    raise ValueError(f"task section has unknown key(s) {unknown} for task.name={NAME!r}; "
+                     f"expected {fields + list(TRAINER_KEYS)}")
   return ChainsConfig(**{k: task_cfg[k] for k in fields if k in task_cfg})
 
 

@@ -187,6 +187,9 @@ def test_task_interface_from_a_config_section():
   with pytest.raises(ValueError, match="task.grader='rewards'"):
     chains.ChainsTask(c, seed=0, tokenizer=tok, max_prompt_len=8,
                       num_heldout=4, grader="rewards")
+  with pytest.raises(ValueError, match=r"unknown key\(s\) \['chain_count'\]"):
+    chains.ChainsTask(task_section(chain_count="1,2"), seed=0, tokenizer=tok,
+                      max_prompt_len=8, num_heldout=4)
   with pytest.raises(ValueError, match="task.max_prompt_len=4"):
     chains.ChainsTask(c, seed=0, tokenizer=tok, max_prompt_len=4,
                       num_heldout=4).encode_prompts(train[:2])
