@@ -4,28 +4,35 @@ The prompt gives a few single-digit numbers, ``3+5+2=`` (the addition task's
 prompt, ``ba_jax.synthetic.Problem``). A response writes ``r`` chains and then
 the answer::
 
-    1,4,9,11 2,5,10,12 3,6,11,13 Answer: 10
+    2,5,10,12 1,4,9,11 0,3,8,10 Answer: 10
 
-Chain ``j`` (1-based) starts at the value ``j`` and adds the prompt's numbers
-in order, so it reads ``j, j+x1, j+x1+x2, ..., j+S``. Every chain differs from
-every other in every value, so none can be copied, and every token of a
-response is arithmetic or a separator: there are no scratch tokens. The length
-grows by one chain's worth per chain; ``r`` is the policy's to choose.
+A chain starting at ``s`` adds the prompt's numbers in order:
+``s, s+x1, s+x1+x2, ..., s+S``. The ``j``-th of ``r`` chains starts at
+``r - j``, so the last is the plain partial sums and the answer is its total.
+Every chain differs from every other in every value, so none can be copied,
+and every token of a response is arithmetic or a separator: there are no
+scratch tokens. The first token states how many chains will follow (``r - 1``)
+and each chain adds one chain's worth of tokens: ``r``, the length, is the
+policy's choice, made at its first token.
 
 Two knobs set what the paper's analysis of aggregation turns on:
 
 * ``chain_counts``: the warm-up data draws ``r`` uniformly from this set, so
   its spread sets the within-group length variation (warm-up data, groups of
-  8: CV 0.09 for (4, 5), 0.51 for (1, 2, 4, 8), 0.61 for (1, 2, 8)). A group
+  8: CV 0.09 for (4, 5), 0.51 for (1, 2, 4, 8), 0.60 for (1, 2, 8)). A group
   shares its prompt, so ``r`` is the only source of length variation in it.
 * ``rule``, the verifier: ``"answer"`` (only ``Answer: S`` counts, no length
   gap by construction), ``"min_chains:k"`` (also every chain right and
   ``r >= k``: correct responses are the longer ones, a positive gap) or
   ``"max_chains:k"`` (every chain right and ``1 <= r <= k``: a negative gap).
 
-Why the value ``j`` rather than the ``j``-th prompt number as a chain's start:
-with a few numbers the ``j``-th-number reading repeats itself after as many
-chains as there are numbers, and a longer prompt would make every chain longer.
+Why counting down from ``r - 1`` rather than starting chain ``j`` at the
+``j``-th prompt number: with a few numbers that reading repeats itself after
+as many chains as there are numbers (a longer prompt would lengthen every
+chain), and counting up (chain ``j`` from ``j``) leaves the answer to be
+recovered by a subtraction, which a ~1M-parameter policy got right on 24% of
+its samples after a warm-up that put half of its traces at the right answer
+(experiments/results/chains_warmup_probe_high_pos.json, earlier design).
 
 The warm-up data mixes error-free traces (share ``sft_correct_frac``) with
 traces whose last chain goes wrong by a small amount from one value on,
@@ -105,9 +112,14 @@ class ChainsConfig:
                        "be correct")
 
 
-def chain(p: Problem, j: int) -> list[int]:
-  """Chain ``j``: starts at ``j`` and adds the numbers in order."""
-  return [j] + [j + int(s) for s in np.cumsum(p.numbers)]
+def chain(p: Problem, start: int) -> list[int]:
+  """The chain from ``start``: ``start`` then it plus each partial sum."""
+  return [start] + [start + int(s) for s in np.cumsum(p.numbers)]
+
+
+def chains_for(p: Problem, r: int) -> list[list[int]]:
+  """The ``r`` chains of a right response: starts ``r-1, ..., 1, 0``."""
+  return [chain(p, r - j) for j in range(1, r + 1)]
 
 
 def _format(chains: Sequence[Sequence[int]], answer: int) -> str:
@@ -116,19 +128,19 @@ def _format(chains: Sequence[Sequence[int]], answer: int) -> str:
 
 
 def correct_response(p: Problem, r: int) -> str:
-  return _format([chain(p, j) for j in range(1, r + 1)], p.answer)
+  return _format(chains_for(p, r), p.answer)
 
 
 def wrong_response(p: Problem, r: int, rng: np.random.Generator) -> str:
   """The last chain off by a small nonzero amount from one value on."""
-  chains = [chain(p, j) for j in range(1, r + 1)]
+  chains = chains_for(p, r)
   last = chains[-1]
-  i = int(rng.integers(1, len(last)))  # the start value is the count, kept
+  i = int(rng.integers(1, len(last)))  # its start, 0, is kept
   deltas = [d for d in (-3, -2, -1, 1, 2, 3)
             if last[i] + d >= 0 and p.answer + d >= 0]
   delta = int(rng.choice(deltas))
   chains[-1] = last[:i] + [v + delta for v in last[i:]]
-  return _format(chains, chains[-1][-1] - r)
+  return _format(chains, chains[-1][-1])
 
 
 def parse_response(text: str) -> tuple[list[list[int]] | None, int | None]:
@@ -152,7 +164,7 @@ def grade(text: str, p: Problem, rule: str) -> float:
     return 0.0
   if kind == "answer":
     return 1.0
-  if not chains or any(c != chain(p, j) for j, c in enumerate(chains, 1)):
+  if not chains or chains != chains_for(p, len(chains)):
     return 0.0
   r = len(chains)
   return float(r >= bound if kind == "min_chains" else r <= bound)

@@ -11,7 +11,7 @@ policy: supervised warm-up, then GRPO.
 Variants (comma separated ``key=value`` after the colon):
 
     spread=low|high   chain counts (4, 5): within-group length CV ~0.09;
-                      (1, 2, 8): ~0.61 (measured on the warm-up data)
+                      (1, 2, 8): ~0.60 (measured on the warm-up data)
     gap=neg|none|pos  the verifier rule, and so the sign of the within-group
                       positive-minus-negative length gap on the warm-up data:
                         high: max_chains:2 (-0.65), answer (+0.03), min_chains:2 (+0.45)
@@ -79,7 +79,7 @@ def get_config(arg=None):
                       num_heads=4, num_kv_heads=2, head_dim=32,
                       max_position_embeddings=128))
 
-  # ba_jax/chains.py; max_response_tokens: 103 for (1, 2, 8), 70 for (4, 5).
+  # ba_jax/chains.py; max_response_tokens: 102 for (1, 2, 8), 69 for (4, 5).
   c.task = ml_collections.ConfigDict(dict(
       name="synthetic_chains",
       min_terms=2,  # numbers in the prompt: 2 or 3

@@ -13,11 +13,12 @@ def grades(text, p=P):
   return {rule: chains.grade(text, p, rule) for rule in RULES}
 
 
-def test_chains_start_at_their_index_and_differ_everywhere():
-  assert chains.chain(P, 1) == [1, 4, 9, 11]
-  assert chains.chain(P, 3) == [3, 6, 11, 13]
-  assert chains.correct_response(P, 2) == "1,4,9,11 2,5,10,12 Answer: 10"
-  some = [chains.chain(P, j) for j in range(1, 13)]
+def test_chains_count_down_to_the_partial_sums_and_differ_everywhere():
+  assert chains.chain(P, 0) == [0, 3, 8, 10]
+  assert chains.chain(P, 2) == [2, 5, 10, 12]
+  assert chains.correct_response(P, 1) == "0,3,8,10 Answer: 10"
+  assert chains.correct_response(P, 3) == "2,5,10,12 1,4,9,11 0,3,8,10 Answer: 10"
+  some = chains.chains_for(P, 12)
   assert all(a != b for i, x in enumerate(some) for y in some[i + 1:]
              for a, b in zip(x, y))
 
@@ -31,19 +32,20 @@ def test_grader_under_each_rule():
   # Only the answer counts under "answer"; chain rules need at least one chain.
   assert grades("Answer: 10") == {"answer": 1.0, "min_chains:3": 0.0,
                                   "max_chains:2": 0.0}
-  assert chains.grade("1,4,9,11 Answer: 10", P, "max_chains:1") == 1.0
-  assert chains.grade("1,4,9,11 Answer: 10", P, "min_chains:1") == 1.0
+  assert chains.grade("0,3,8,10 Answer: 10", P, "max_chains:1") == 1.0
+  assert chains.grade("0,3,8,10 Answer: 10", P, "min_chains:1") == 1.0
 
 
 @pytest.mark.parametrize("text", [
-    "1,4,9,11 1,4,9,11 3,6,11,13 Answer: 10",  # chain 2 copies chain 1
-    "1,4,9,11 3,6,11,13 2,5,10,12 Answer: 10",  # chains out of order
-    "1,4,9,11 2,5,10,13 3,6,11,13 Answer: 10",  # one value wrong
-    "1,4,9,11 2,5,10 3,6,11,13 Answer: 10",  # a chain cut short
-    "1,4,9,11 2,5,10,12,14 3,6,11,13 Answer: 10",  # a chain too long
-    "1,4,9,11 2,5,,10,12 3,6,11,13 Answer: 10",  # malformed: empty value
-    "1,4,9,11 2,5~10,12 3,6,11,13 Answer: 10",  # malformed: foreign token
-    "1,4,9,11,2,5,10,12,3,6,11,13 Answer: 10",  # chains run together
+    "2,5,10,12 2,5,10,12 0,3,8,10 Answer: 10",  # chain 2 copies chain 1
+    "1,4,9,11 2,5,10,12 0,3,8,10 Answer: 10",  # chains out of order
+    "3,6,11,13 1,4,9,11 0,3,8,10 Answer: 10",  # a first chain promising 4 chains
+    "2,5,10,12 1,4,9,12 0,3,8,10 Answer: 10",  # one value wrong
+    "2,5,10,12 1,4,9 0,3,8,10 Answer: 10",  # a chain cut short
+    "2,5,10,12 1,4,9,11,13 0,3,8,10 Answer: 10",  # a chain too long
+    "2,5,10,12 1,4,,9,11 0,3,8,10 Answer: 10",  # malformed: empty value
+    "2,5,10,12 1,4~9,11 0,3,8,10 Answer: 10",  # malformed: foreign token
+    "2,5,10,12,1,4,9,11,0,3,8,10 Answer: 10",  # chains run together
 ])
 def test_bad_chains_fail_the_chain_rules_but_not_the_answer_rule(text):
   assert grades(text) == {"answer": 1.0, "min_chains:3": 0.0, "max_chains:2": 0.0}
@@ -52,9 +54,9 @@ def test_bad_chains_fail_the_chain_rules_but_not_the_answer_rule(text):
 def test_answer_must_end_the_response():
   assert set(grades(chains.correct_response(P, 3) + " 4").values()) == {0.0}
   assert chains.parse_response("no answer") == (None, None)
-  assert chains.parse_response("1,4 2,x Answer: 7") == (None, 7)
+  assert chains.parse_response("1,4 0,x Answer: 7") == (None, 7)
   assert chains.chain_count(chains.correct_response(P, 4)) == 4
-  assert chains.chain_count("1,4 2,x Answer: 7") == 0
+  assert chains.chain_count("1,4 0,x Answer: 7") == 0
 
 
 def test_bad_rules_and_configs_are_named():
@@ -87,9 +89,9 @@ def test_warmup_traces_parse_back_and_grade_as_labelled(rule):
     r = len(parsed)
     assert r in task.chain_counts
     # Every chain but the last is exact; the last is exact iff the answer is.
-    assert parsed[:-1] == [chains.chain(p, j) for j in range(1, r)]
-    assert (parsed[-1] == chains.chain(p, r)) == (answer == p.answer)
-    assert answer == parsed[-1][-1] - r
+    assert parsed[:-1] == chains.chains_for(p, r)[:-1]
+    assert (parsed[-1] == chains.chain(p, 0)) == (answer == p.answer)
+    assert answer == parsed[-1][-1] and parsed[-1][0] == 0
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert len(ids) == len(text) and tok.unk_token_id not in ids
     assert len(ids) + 1 <= bound
