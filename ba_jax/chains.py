@@ -32,7 +32,7 @@ as many chains as there are numbers (a longer prompt would lengthen every
 chain), and counting up (chain ``j`` from ``j``) leaves the answer to be
 recovered by a subtraction, which a ~1M-parameter policy got right on 24% of
 its samples after a warm-up that put half of its traces at the right answer
-(experiments/results/chains_warmup_probe_high_pos.json, earlier design).
+(experiments/results/chains_warmup_probe_high_pos_countup.json).
 
 The warm-up data mixes error-free traces (share ``sft_correct_frac``) with
 traces whose last chain goes wrong by a small amount from one value on,
