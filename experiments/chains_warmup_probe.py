@@ -94,8 +94,8 @@ def main(argv=None):
                 gap=float(np.mean([g for g, _ in gaps])) if gaps else float("nan"),
                 gap_rel=float(np.mean([r for _, r in gaps])) if gaps else float("nan"))
   counts = [chains.chain_count(t) for t in texts]
-  valid = [all(c == chains.chain(p, j) for j, c in enumerate(chains.parse_response(t)[0] or [], 1))
-           and chains.parse_response(t)[0] is not None for t, p in zip(texts, problems)]
+  parsed = [chains.parse_response(t)[0] for t in texts]
+  valid = [bool(c) and c == chains.chains_for(p, len(c)) for c, p in zip(parsed, problems)]
   answer_right = [chains.grade(t, p, "answer") > 0 for t, p in zip(texts, problems)]
   result = dict(
       args=vars(args), rule=task.cfg.rule, chain_counts=task.cfg.chain_counts,
