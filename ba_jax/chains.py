@@ -21,18 +21,20 @@ Two knobs set what the paper's analysis of aggregation turns on:
   its spread sets the within-group length variation (warm-up data, groups of
   8: CV 0.09 for (4, 5), 0.51 for (1, 2, 4, 8), 0.60 for (1, 2, 8)). A group
   shares its prompt, so ``r`` is the only source of length variation in it.
-* ``rule``, the verifier: ``"answer"`` (only ``Answer: S`` counts, no length
-  gap by construction), ``"min_chains:k"`` (also every chain right and
+* ``rule``, the verifier: ``"answer"`` (only ``Answer: S`` counts; no length
+  gap in the warm-up data by construction), ``"min_chains:k"`` (also every chain right and
   ``r >= k``: correct responses are the longer ones, a positive gap) or
   ``"max_chains:k"`` (every chain right and ``1 <= r <= k``: a negative gap).
 
 Why counting down from ``r - 1`` rather than starting chain ``j`` at the
 ``j``-th prompt number: with a few numbers that reading repeats itself after
 as many chains as there are numbers (a longer prompt would lengthen every
-chain), and counting up (chain ``j`` from ``j``) leaves the answer to be
-recovered by a subtraction, which a ~1M-parameter policy got right on 24% of
-its samples after a warm-up that put half of its traces at the right answer
-(experiments/results/chains_warmup_probe_high_pos_countup.json).
+chain). Counting up (chain ``j`` from ``j``) works too but leaves the answer
+to a subtraction from the last total; counting down makes it that total.
+After 400 warm-up steps a ~1M-parameter policy gets the answer right on
+about a quarter of its samples either way (experiments/chains_warmup_probe.py,
+results/chains_warmup_probe_high_pos_{countup,countdown}.json): the partial
+sums, not the answer, are what it has not learnt yet.
 
 The warm-up data mixes error-free traces (share ``sft_correct_frac``) with
 traces whose last chain goes wrong by a small amount from one value on,
