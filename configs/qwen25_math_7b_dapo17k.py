@@ -39,7 +39,10 @@ from ml_collections import config_dict
 # Logical axis name -> mesh axis (or axes, or None = replicated).
 SHARDING_RULES = (
     ("batch", ("data", "fsdp")),
+    ("activation_batch", ("data", "fsdp")),  # rows of the residual stream
     ("length", None),  # sequence positions of activations
+    ("activation_embed", None),  # hidden features of the residual stream
+    ("layers", None),  # the stacked decoder layers' leading axis
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),

@@ -54,9 +54,7 @@ def test_gradients_match_transformers(checkpoints, kind):
   grads = nnx.to_pure_dict(nnx.grad(loss)(model))
   hf_grads = {n: p.grad.numpy() for n, p in hf_model.named_parameters()}
   for spec in hf.weight_specs(config):
-    g = grads
-    for key in spec.path:
-      g = g[key]
+    g = spec.lookup(grads)
     ref = hf_grads[spec.hf_name]
     scale = max(np.abs(ref).max(), 1.0)
     np.testing.assert_allclose(spec.to_hf(np.asarray(g)), ref, atol=1e-4 * scale, rtol=0,
@@ -146,7 +144,11 @@ def test_random_init_and_every_param_has_logical_axes():
   known = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm"}
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     axes = var.get_metadata()["out_sharding"]
-    assert len(axes) == var[...].ndim and set(axes) <= known, (path, axes)
+    assert len(axes) == var[...].ndim and set(axes) <= known | {"layers"}, (path, axes)
+    # The decoder layers are one stack: a leading "layers" axis of num_layers, and only there.
+    stacked = path[0] == "layers"
+    assert (axes[0] == "layers") == stacked and axes.count("layers") == int(stacked), (path, axes)
+    assert not stacked or var[...].shape[0] == config.num_layers, (path, var[...].shape)
   logits = model(np.zeros((2, 3), np.int32))
   assert logits.shape == (2, 3, 64) and np.isfinite(np.asarray(logits)).all()
 
