@@ -80,8 +80,9 @@ def _splash_kernel(L: int, group: int, block: int, interpret: bool):
 def splash_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, block: int, *, interpret: bool = False):
   """The Pallas TPU splash kernel: one multi-query call per (row, kv head); padding as segment ids.
 
-  Padding tokens form segment 0 and real tokens segment 1, so a real query never sees a pad key
-  (left or right padding alike); L must be a multiple of the kernel's block (min(block, L)).
+  Padding is a segment id: every query is in segment 1, keys in segment `mask` (pad keys in 0),
+  so no query sees a pad key, left or right padding alike, as on the other paths. L must be a
+  multiple of the kernel's block (min(block, L)).
   """
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
   B, L, H, D = q_BxLxHxD.shape
@@ -95,7 +96,7 @@ def splash_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, block: int, *, i
   k_BxKxLxD, v_BxKxLxD = k_BxLxKxD.transpose(0, 2, 1, 3), v_BxLxKxD.transpose(0, 2, 1, 3)
 
   def row(q_KxGxLxD, k_KxLxD, v_KxLxD, seg_L):
-    segments = kernel.SegmentIds(q=seg_L, kv=seg_L)
+    segments = kernel.SegmentIds(q=jnp.ones_like(seg_L), kv=seg_L)
     return jax.vmap(lambda q, k, v: splash(q, k, v, segment_ids=segments))(q_KxGxLxD, k_KxLxD, v_KxLxD)
 
   out = jax.vmap(row)(q_BxKxGxLxD, k_BxKxLxD, v_BxKxLxD, mask_BxL.astype(jnp.int32))
