@@ -352,10 +352,10 @@ class Decoder(nnx.Module):
                     _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), c.param_dtype))
 
   def __call__(self, input_ids_BxL, attention_mask_BxL=None, *, positions_BxL=None, cache: KVCache | None = None,
-               attention_mask=None):
-    """Float32 logits [B,L,V] (and the updated cache when `cache` is given)."""
+               attention_mask=None, layers: tuple | None = None):
+    """Float32 logits [B,L,V] (and the updated cache when `cache` is given); `layers`: see `hidden_states`."""
     x, new_cache = self.hidden_states(input_ids_BxL, attention_mask_BxL, positions_BxL=positions_BxL,
-                                      cache=cache, attention_mask=attention_mask)
+                                      cache=cache, attention_mask=attention_mask, layers=layers)
     logits = jnp.einsum("ble,ev->blv", x, self.head_weights(), preferred_element_type=jnp.float32)
     return logits if cache is None else (logits, new_cache)
 
@@ -364,9 +364,22 @@ class Decoder(nnx.Module):
     head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
     return head.astype(jnp.dtype(self.config.dtype))
 
+  def layer_slices(self) -> tuple:
+    """The stacked layers as one `DecoderLayer` per layer (slices of the stacked parameters).
+
+    A decode loop that takes these once, outside the loop, and passes them as `layers=` reads each
+    layer's weights in place; slicing the stack inside the loop copies every weight every step
+    (XLA:CPU does not hoist the slices: 24.3 s vs 18.9 s for 128 rows x 64 tokens, see the report).
+    """
+    graphdef, state = nnx.split(self.layers)
+    return tuple(nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], state))
+                 for i in range(self.config.num_layers))
+
   def hidden_states(self, input_ids_BxL, attention_mask_BxL=None, *, positions_BxL=None,
-                    cache: KVCache | None = None, attention_mask=None):
-    """The final-norm hidden states [B,L,E] that the LM head reads, and the updated cache (or None)."""
+                    cache: KVCache | None = None, attention_mask=None, layers: tuple | None = None):
+    """The final-norm hidden states [B,L,E] that the LM head reads, and the updated cache (or None).
+
+    `layers`: `self.layer_slices()`, taken once outside a decode loop (cached path only)."""
     if attention_mask is not None:
       if attention_mask_BxL is not None:
         raise ValueError("pass the attention mask once, as attention_mask_BxL or attention_mask, not both")
@@ -399,8 +412,9 @@ class Decoder(nnx.Module):
 
     x = self.embed_tokens[...][input_ids_BxL].astype(dt)
     x = sharding_lib.constrain(x, RESIDUAL_AXES)
-    graphdef, layer_state = nnx.split(self.layers)
     if cache is None:
+      graphdef, layer_state = nnx.split(self.layers)
+
       def body(x, state):
         x, _ = nnx.merge(graphdef, state)(x, cos, sin, mask_BxL)
         return sharding_lib.constrain(x, RESIDUAL_AXES), None
@@ -410,8 +424,7 @@ class Decoder(nnx.Module):
       new_cache = None
     else:
       new_k, new_v = [], []
-      for i in range(c.num_layers):
-        layer = nnx.merge(graphdef, jax.tree.map(lambda p: p[i], layer_state))
+      for i, layer in enumerate(self.layer_slices() if layers is None else layers):
         x, (k, v) = layer(x, cos, sin, mask_BxL, (cache.k[i], cache.v[i]), cache.index, allowed)
         new_k.append(k)
         new_v.append(v)
