@@ -153,7 +153,8 @@ def _sample_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng,
   ids_BxP, mask_BxP = left_justify(prompt_ids_BxP, prompt_mask_BxP, cfg.pad_id)
   cache = model_lib.init_cache(model.config, B, P + T - 1)  # the last token is not fed
   cache = jax.tree.map(lambda x: _constrain(x, mesh_rules), cache)
-  logits_BxPxV, cache = model(ids_BxP, mask_BxP, cache=cache)
+  layers = model.layer_slices()  # once, outside the decode loop (see Decoder.layer_slices)
+  logits_BxPxV, cache = model(ids_BxP, mask_BxP, cache=cache, layers=layers)
   # Left-justified, so the last column holds every prompt's last token.
   repeat = lambda x: x if x.ndim == 0 else jnp.repeat(x, G, axis=0)
   cache = jax.tree.map(lambda x: _constrain(repeat(x), mesh_rules), cache)
@@ -177,7 +178,7 @@ def _sample_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng,
     step, cache, prev_N, done_N, lengths_N, tokens_NxT, logprobs_NxT = carry
     alive_N = ~done_N
     logits_Nx1xV, cache = model(prev_N[:, None], alive_N[:, None].astype(jnp.int32),
-                                cache=cache)
+                                cache=cache, layers=layers)
     tok_N, logp_N = draw(logits_Nx1xV[:, 0], jax.random.fold_in(rng, step))
     tok_N = jnp.where(alive_N, tok_N, cfg.pad_id)
     logp_N = jnp.where(alive_N, logp_N, 0.0)
