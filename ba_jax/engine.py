@@ -5,10 +5,11 @@ decode slots, whose KV cache is [M, kv_heads, S, head_dim] per layer with S =
 prompt + response budget, whatever B is. One jitted `while_loop` runs:
 
   refill: while a slot is free and a row is pending, prefill the next rows'
-          prompts (all but their last token; lanes of a few fixed widths, so
-          one finished row costs one row's prefill) into a small cache, copy it
-          into the free slots (`kv_cache.fill_slots`) and queue each prompt's
-          last token as the slot's next input;
+          prompts (all but their last token; lanes of a few fixed widths, the
+          widest that the free slots fill, so one finished row costs one
+          row's prefill; rows of one prompt share its prefill) into a small
+          cache, copy it into the free slots (`kv_cache.fill_slots`) and
+          queue each prompt's last token as the slot's next input;
   decode: one token for every slot (idle slots feed padding under mask 0);
           a row that emits a stop token or reaches its budget frees its slot.
 
@@ -120,7 +121,14 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
     prompt_R = jnp.minimum(row_R, N - 1) // G
     s = dict(s)
     if H:
-      prefill = _prefill(model, head_ids_BxH[prompt_R], head_mask_BxH[prompt_R], cfg.prefill_chunk)
+      # Consecutive rows share prompts: prefill each of the (at most U) prompts
+      # once, then give every row its prompt's lane.
+      U = min(width, (width + G - 2) // G + 1)
+      first = jnp.minimum(s["next_row"], N - 1) // G
+      prompt_U = jnp.minimum(first + jnp.arange(U, dtype=jnp.int32), B - 1)
+      prefill = _prefill(model, head_ids_BxH[prompt_U], head_mask_BxH[prompt_U], cfg.prefill_chunk)
+      lane_R = jnp.clip(prompt_R - first, 0, U - 1)
+      prefill = jax.tree.map(lambda x: x if x.ndim == 0 else x[lane_R], prefill)
     else:
       prefill = kv_cache_lib.init_cache(model.config, width, 0)
     s["cache"] = jax.tree.map(constrain, kv_cache_lib.fill_slots(s["cache"], slot_R, prefill))
@@ -132,15 +140,15 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
 
   widths = refill_widths(M)
 
-  def refill(s):
-    def pending(s):
-      return jnp.any(s["row"] < 0) & (s["next_row"] < N)
+  def n_fill(s):
+    return jnp.minimum(jnp.sum(s["row"] < 0, dtype=jnp.int32), N - s["next_row"])
 
-    def one(s):
-      n_fill = jnp.minimum(jnp.sum(s["row"] < 0), N - s["next_row"])
-      branch = jnp.sum(n_fill >= jnp.asarray(widths[1:], jnp.int32))  # the widest that fills up
-      return jax.lax.switch(branch, [functools.partial(admit, w) for w in widths], s)
-    return jax.lax.while_loop(pending, one, s)
+  def refill(s):
+    # Widest lanes first, each width in its own while_loop: a loop updates the
+    # cache in place, where a switch between widths copied it on every refill.
+    for width in reversed(widths):
+      s = jax.lax.while_loop(lambda s, w=width: n_fill(s) >= w, functools.partial(admit, width), s)
+    return s
 
   def decode(s):
     s = dict(s)
