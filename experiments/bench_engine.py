@@ -305,14 +305,13 @@ def main():
       f" heads, MLP {s['mlp']}, tied embeddings), random weights, the same in both libraries.",
       "",
   ]
-  if "a" in args.parts:
-    part_a(ours, s, ids, np.ones_like(ids), lines)
-  if "b" in args.parts:
-    part_b(ours, theirs, s, lines)
-  if "p" in args.parts:
-    profile_step(ours, s, lines)
   pathlib.Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-  pathlib.Path(args.output).write_text("\n".join(lines) + "\n")
+  for part, run in (("a", lambda: part_a(ours, s, ids, np.ones_like(ids), lines)),
+                    ("b", lambda: part_b(ours, theirs, s, lines)),
+                    ("p", lambda: profile_step(ours, s, lines))):
+    if part in args.parts:
+      run()
+      pathlib.Path(args.output).write_text("\n".join(lines) + "\n")  # after each part
   print("\n".join(lines))
 
 
