@@ -13,7 +13,6 @@ import dataclasses
 import math
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +20,7 @@ from flax import nnx
 
 from ba_jax import attention as attention_lib
 from ba_jax import sharding as sharding_lib
+from ba_jax import kv_cache as kv_cache_lib
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -162,26 +162,9 @@ class ModelConfig:
     return d
 
 
-@flax.struct.dataclass
-class KVCache:
-  """Per-layer keys/values [B,num_kv_heads,S,head_dim]; mask [B,S]; index = next slot.
-
-  The kv-head axis comes before the sequence axis so a decode step's attention
-  reads each head's keys/values contiguously (no per-step copy of the cache).
-  """
-  k: tuple
-  v: tuple
-  mask: jax.Array
-  index: jax.Array
-
-
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
-  """An empty cache of `max_len` slots per row."""
-  dtype = jnp.dtype(dtype or config.dtype)
-  shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
-  zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-  return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-                 mask=jnp.zeros((batch_size, max_len), jnp.int32), index=jnp.zeros((), jnp.int32))
+# The cache layout lives in ba_jax.kv_cache; these names stay importable from here.
+KVCache = kv_cache_lib.KVCache
+init_cache = kv_cache_lib.init_cache
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -273,11 +256,7 @@ class Attention(nnx.Module):
       out, new_kv = attention_lib.attend(q, k, v, mask_BxL, impl=self.attention_impl,
                                          block=self.attention_block), None
     else:
-      # The cache is [B,K,S,D]: write the new [B,L,K,D] keys/values as [B,K,L,D].
-      cache_k, cache_v = cache_kv
-      start = (0, 0, index, 0)
-      k = jax.lax.dynamic_update_slice(cache_k, k.transpose(0, 2, 1, 3).astype(cache_k.dtype), start)
-      v = jax.lax.dynamic_update_slice(cache_v, v.transpose(0, 2, 1, 3).astype(cache_v.dtype), start)
+      k, v = kv_cache_lib.write_kv(*cache_kv, k, v, index)  # [B,K,S,D], at a shared or per-row index
       new_kv = (k, v)
       out = attention_lib.full_attention(q, k, v, allowed_BxLxS, kv_axes="bksd")
     out = jnp.einsum("blhd,hde->ble", out, self.o_proj[...].astype(self.dtype))
@@ -395,13 +374,8 @@ class Decoder(nnx.Module):
     if mask_BxL.shape != (B, L):
       raise ValueError(f"attention_mask shape {mask_BxL.shape} does not match input_ids shape {(B, L)}")
     if cache is not None:
-      S = cache.mask.shape[1]
-      if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + L > S:
-        raise ValueError(f"cache overflow: index {int(cache.index)} + {L} new tokens > {S} cache slots")
-      new_mask_BxS = jax.lax.dynamic_update_slice(cache.mask, mask_BxL, (0, cache.index))
-      already_B = jnp.sum(cache.mask, axis=1)
-      slot_L = cache.index + jnp.arange(L)
-      allowed = (jnp.arange(S)[None, :] <= slot_L[:, None])[None] & (new_mask_BxS[:, None, :] == 1)
+      kv_cache_lib.check_capacity(cache, L)
+      new_mask_BxS, allowed, already_B = kv_cache_lib.extend(cache, mask_BxL)
     else:
       already_B = jnp.zeros((B,), jnp.int32)
     if positions_BxL is None:
@@ -428,5 +402,5 @@ class Decoder(nnx.Module):
         x, (k, v) = layer(x, cos, sin, mask_BxL, (cache.k[i], cache.v[i]), cache.index, allowed)
         new_k.append(k)
         new_v.append(v)
-      new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), mask=new_mask_BxS, index=cache.index + L)
+      new_cache = kv_cache_lib.advance(cache, new_k, new_v, new_mask_BxS, L)
     return sharding_lib.constrain(self.norm(x), RESIDUAL_AXES), new_cache
