@@ -152,5 +152,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
   })
   metrics["w_pos"], metrics["w_neg"] = agg.signed_weights(weights,
                                                           advantages_N)
+  # Over this call's rows (a micro-batch's, with the mini-batch's weights).
+  metrics["weight_length_corr"] = agg.weight_length_correlation(
+      weights, mask_NxT, advantages_N)
   return loss, metrics
 

@@ -208,7 +208,12 @@ class SyntheticTask:
         problems = train_problems(self.cfg, self.seed + 7919, step * batch_size,
                                   batch_size, self._exclude)
         rng = np.random.default_rng([self.seed, 3, step])
-        return problems, [sft_response(p, rng, self.cfg)[0] for p in problems]
+        return problems, [self.warmup_response(p, rng) for p in problems]
+
+    def warmup_response(self, problem: Problem,
+                        rng: np.random.Generator) -> str:
+        """One warm-up trace for ``problem`` (a subclass's own traces)."""
+        return sft_response(problem, rng, self.cfg)[0]
 
     def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
         enc = self.tokenizer([p.prompt for p in problems],

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
 
-from ba_jax import dataset_task, synthetic
+from ba_jax import chains, dataset_task, synthetic
 
 
 class Task(Protocol):
@@ -110,4 +110,5 @@ def make_task(config, tokenizer) -> Task:
 
 
 register(synthetic.SyntheticTask)
+register(chains.ChainsTask)
 register(dataset_task.DatasetTask, *dataset_task.LOADERS)
