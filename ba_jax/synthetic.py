@@ -216,13 +216,16 @@ class SyntheticTask:
         return sft_response(problem, rng, self.cfg)[0]
 
     def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
-        enc = self.tokenizer([p.prompt for p in problems],
-                             padding="max_length",
+        prompts = [p.prompt for p in problems]
+        # Checked before padding: a longer prompt would make ragged rows.
+        longest = max(prompts, key=len)
+        if len(self.tokenizer(longest)["input_ids"]) > self.max_prompt_len:
+            raise ValueError(f"prompt {longest!r} is longer than "
+                             f"task.max_prompt_len={self.max_prompt_len}; "
+                             "raise it")
+        enc = self.tokenizer(prompts, padding="max_length",
                              max_length=self.max_prompt_len,
                              return_tensors="np")
-        if enc["input_ids"].shape[1] != self.max_prompt_len:
-            raise ValueError(f"a prompt is longer than task.max_prompt_len="
-                             f"{self.max_prompt_len}; raise it")
         return (enc["input_ids"].astype(np.int32),
                 enc["attention_mask"].astype(np.int32))
 
