@@ -9,8 +9,8 @@ Variants (comma separated ``key=value`` after the colon): see ``VARIANTS``.
 within-group length CV: (4, 5) ~0.09, (1, 2, 8) ~0.60 (warm-up data, groups
 of 8). ``gap`` picks the verifier rule, and so the sign of the within-group
 positive-minus-negative length gap on the warm-up data (relative to the
-group's mean length, 9-valued problems; ``experiments/chains_config_proposal``
-history in git):
+group's mean length, measured with numbers 1..9 by tests/test_chains.py's
+helpers when the task was proposed):
 
     high: max_chains:2 (-0.65), answer (+0.03), min_chains:2 (+0.45)
     low:  max_chains:4 (-0.12), answer (+0.01), min_chains:5 (+0.12)
