@@ -24,8 +24,9 @@ from ba_jax import chains, dataset_task, synthetic
 
 
 class Task(Protocol):
-  """What the trainer asks of a task (``synthetic.SyntheticTask`` and
-  ``dataset_task.DatasetTask`` are the bundled ones)."""
+  """What the trainer asks of a task (``synthetic.SyntheticTask``,
+  ``chains.ChainsTask`` and ``dataset_task.DatasetTask`` are the bundled
+  ones)."""
 
   name: str  # the task.name configs use (the registry key)
   has_warmup: ClassVar[bool]  # whether warmup_examples has data
