@@ -88,6 +88,13 @@ def token_weights(mask, advantages, *, mode: str, group_size: int,
 
   Returns:
     float32 [N, T] weights, with no gradient flowing through them.
+
+  A masked row (``rl.overlong="mask"`` zeroes a truncated response's mask)
+  keeps its advantage, so under ``balanced`` it still counts in its subset's
+  ``|S|`` with 0 tokens: the subset keeps its share ``|S|/G`` of the group,
+  spread over its remaining tokens (a subset with no token left gets 0).
+  That is a choice: the shares stay the sampled outcome counts the
+  advantages were normalised with, so truncation does not tilt W+ : W-.
   """
   check_option("aggregation mode", mode, MODES)
   check_option("ba_denominator", ba_denominator, BA_DENOMINATORS)
@@ -142,6 +149,37 @@ def positive_share(w_pos, w_neg, xp=jnp):
   return _ratio(w_pos, w_pos + w_neg, xp)
 
 
+def _within_group_gap(lengths_GxS, pos_GxS, neg_GxS, xp):
+  """(mean gap, mean relative gap) over the groups holding both signs: the
+  positive minus the negative mean length, and that over their average."""
+  count_pos, count_neg = pos_GxS.sum(-1), neg_GxS.sum(-1)
+  both = (count_pos > 0) & (count_neg > 0)
+  mean_pos = (lengths_GxS * pos_GxS).sum(-1) / xp.maximum(count_pos, 1)
+  mean_neg = (lengths_GxS * neg_GxS).sum(-1) / xp.maximum(count_neg, 1)
+  gap = mean_pos - mean_neg
+  middle = 0.5 * (mean_pos + mean_neg)
+  has_rel = both & (middle > 0)
+  rel = gap / xp.where(has_rel, middle, 1.0)
+  return (_ratio(xp.sum(xp.where(both, gap, 0.0)), both.sum(), xp),
+          _ratio(xp.sum(xp.where(has_rel, rel, 0.0)), has_rel.sum(), xp))
+
+
+def _within_subset_cv(lengths_GxS, pos_GxS, neg_GxS, xp):
+  """Mean CV of length over the (group, sign) subsets of >= 2 sequences with
+  a non-zero mean: 0 exactly when BA and sequence aggregation coincide."""
+  total, count = 0.0, 0.0
+  for member in (pos_GxS, neg_GxS):
+    n = member.sum(-1)
+    mean = (lengths_GxS * member).sum(-1) / xp.maximum(n, 1)
+    var = (xp.square(lengths_GxS - mean[:, None]) * member).sum(-1) / (
+        xp.maximum(n, 1))
+    ok = (n >= 2) & (mean > 0)
+    total = total + xp.sum(xp.where(ok, xp.sqrt(var) / xp.where(ok, mean, 1.0),
+                                    0.0))
+    count = count + ok.sum()
+  return _ratio(total, count, xp)
+
+
 def length_diagnostics(lengths_N, advantages_N, *, group_size: int,
                        xp=jnp) -> dict:
   """Response-length statistics of DESIGN.md section 1, from float lengths
@@ -152,9 +190,14 @@ def length_diagnostics(lengths_N, advantages_N, *, group_size: int,
   (population std over mean), averaged over the groups with a non-zero
   mean. ``mean_len_pos``/``mean_len_neg``: mean length of the positive and
   negative sequences; ``length_gap`` their difference and
-  ``length_gap_rel`` that divided by their average. A statistic with
-  nothing to measure (no signed sequence, an empty subset, no group with a
-  length) is NaN, never a misleading 0.
+  ``length_gap_rel`` that divided by their average (pooled over the batch,
+  so it mixes between-group length differences in).
+  ``length_gap_in_group``/``length_gap_in_group_rel``: the same gap taken
+  inside each group holding both signs, then averaged over those groups.
+  ``length_cv_in_subset``: the CV of length inside each group's positive and
+  negative subsets (``_within_subset_cv``). A statistic with nothing to
+  measure (no signed sequence, an empty subset, no group with a length) is
+  NaN, never a misleading 0.
   """
   pos_N = (advantages_N > 0).astype(lengths_N.dtype)
   neg_N = (advantages_N < 0).astype(lengths_N.dtype)
@@ -167,6 +210,9 @@ def length_diagnostics(lengths_N, advantages_N, *, group_size: int,
   mean_len_pos = _ratio(xp.sum(lengths_N * pos_N), count_pos, xp)
   mean_len_neg = _ratio(xp.sum(lengths_N * neg_N), count_neg, xp)
   gap = mean_len_pos - mean_len_neg
+  pos_GxS, neg_GxS = pos_N.reshape(-1, group_size), neg_N.reshape(-1, group_size)
+  gap_in_group, gap_in_group_rel = _within_group_gap(lengths_GxS, pos_GxS,
+                                                     neg_GxS, xp)
   return {
       "pos_frac": _ratio(count_pos, count_pos + count_neg, xp),
       "length_cv": _ratio(xp.sum(cv_G * has_length_G), has_length_G.sum(), xp),
@@ -174,15 +220,50 @@ def length_diagnostics(lengths_N, advantages_N, *, group_size: int,
       "length_gap_rel": _ratio(gap, 0.5 * (mean_len_pos + mean_len_neg), xp),
       "mean_len_pos": mean_len_pos,
       "mean_len_neg": mean_len_neg,
+      "length_gap_in_group": gap_in_group,
+      "length_gap_in_group_rel": gap_in_group_rel,
+      "length_cv_in_subset": _within_subset_cv(lengths_GxS, pos_GxS, neg_GxS,
+                                               xp),
   }
+
+
+def weight_length_correlation(weights_NxT, mask_NxT, advantages_N, xp=jnp):
+  """Pearson correlation of a sequence's per-token weight with its length,
+  over the sequences with a non-zero advantage and a token.
+
+  Token and ``dr_grpo`` aggregation give every token the same weight: no
+  coupling to length, reported as 0 (weights equal to float32 precision,
+  relative spread < 1e-5). Sequence aggregation gives 1/length: strongly
+  negative. NaN with fewer than two such sequences or equal lengths.
+  """
+  lengths_N = mask_NxT.sum(-1)
+  use_N = ((advantages_N != 0) & (lengths_N > 0)).astype(lengths_N.dtype)
+  n = use_N.sum()
+  per_token_N = weights_NxT.sum(-1) / xp.maximum(lengths_N, 1.0)
+  def centred(x):
+    return (x - _ratio(xp.sum(x * use_N), n, xp)) * use_N
+  w, length = centred(per_token_N), centred(lengths_N)
+  var_w, var_len = xp.sum(w * w), xp.sum(length * length)
+  scale = _ratio(xp.sum(per_token_N * use_N), n, xp)
+  flat_w = var_w <= xp.square(1e-5 * scale) * n
+  corr = xp.sum(w * length) / xp.sqrt(xp.where(
+      (var_w > 0) & (var_len > 0), var_w * var_len, 1.0))
+  defined = (n >= 2) & (var_len > 0)
+  return xp.where(defined, xp.where(flat_w, 0.0, corr), xp.nan)
 
 
 def diagnostics(weights, mask, advantages, *, group_size: int) -> dict:
   """What the aggregation rule does to positive and negative responses.
 
   ``w_pos``/``w_neg`` (``signed_weights``) and ``pos_share = w_pos / (w_pos
-  + w_neg)``, which BA makes equal to ``pos_frac`` whatever the lengths,
-  next to ``length_diagnostics``. Undefined values are NaN.
+  + w_neg)``, next to ``length_diagnostics`` and
+  ``weight_length_correlation``. BA makes ``pos_share`` equal to ``pos_frac``
+  whatever the lengths only with ``ba_denominator="group"`` (and every
+  signed subset holding a token): with ``"signed"`` each group splits its
+  weight by its own signed counts, so ``pos_share`` is the mean over groups
+  of their positive fraction, not the pooled one. W+/W- are equal under BA
+  and sequence aggregation by construction; ``length_cv_in_subset`` and
+  ``weight_length_corr`` are what separate them. Undefined values are NaN.
   """
   mask_NxT = jnp.asarray(mask).astype(jnp.float32)
   advantages_N = jnp.asarray(advantages).astype(jnp.float32)
@@ -190,5 +271,7 @@ def diagnostics(weights, mask, advantages, *, group_size: int) -> dict:
   w_pos, w_neg = signed_weights(jnp.asarray(weights), advantages_N)
   return {"w_pos": w_pos, "w_neg": w_neg,
           "pos_share": positive_share(w_pos, w_neg),
+          "weight_length_corr": weight_length_correlation(
+              jnp.asarray(weights), mask_NxT, advantages_N),
           **length_diagnostics(mask_NxT.sum(-1), advantages_N,
                                group_size=group_size)}

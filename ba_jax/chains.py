@@ -212,8 +212,13 @@ def config_from(task_cfg) -> ChainsConfig:
   return ChainsConfig(**{k: task_cfg[k] for k in fields if k in task_cfg})
 
 
-class ChainsTask:
-  """This task behind the trainer's task interface (as ``SyntheticTask``)."""
+class ChainsTask(synthetic.SyntheticTask):
+  """This task behind ``ba_jax.tasks.Task``: prompts, encoding and decoding
+  are ``SyntheticTask``'s; the config, warm-up traces and grading are this
+  module's."""
+
+  name = NAME
+  has_warmup = True
 
   def __init__(self, task_cfg, *, seed: int, tokenizer, max_prompt_len: int,
                num_heldout: int, grader: str = "builtin"):
@@ -223,12 +228,16 @@ class ChainsTask:
       raise ValueError(f"task.grader={grader!r}: expected 'builtin' (the "
                        "chain rules check more than ba_jax.rewards' answer)")
     self.cfg = config_from(task_cfg)
-    self.seed, self.tokenizer = seed, tokenizer
+    self.seed, self.tokenizer, self.grader = seed, tokenizer, grader
     self.max_prompt_len = max_prompt_len
     self.heldout = synthetic.heldout_problems(self.cfg, num_heldout, seed)
     self._exclude = frozenset(self.heldout)
     self.pad_id = tokenizer.pad_token_id
     self.eos_id = tokenizer.eos_token_id
+
+  @staticmethod
+  def max_warmup_response_tokens(task_cfg) -> int:
+    return max_response_tokens(config_from(task_cfg))
 
   def problems(self, start: int, n: int, stream: int = 0) -> list[Problem]:
     """Training problems ``start..start+n-1`` (stream 1: warm-up data)."""
@@ -237,34 +246,6 @@ class ChainsTask:
 
   def warmup_response(self, problem: Problem, rng: np.random.Generator) -> str:
     return sft_response(problem, rng, self.cfg)[0]
-
-  def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
-    prompts = [p.prompt for p in problems]
-    longest = max(prompts, key=len)
-    if len(self.tokenizer(longest)["input_ids"]) > self.max_prompt_len:
-      raise ValueError(f"prompt {longest!r} is longer than task.max_prompt_len="
-                       f"{self.max_prompt_len}; raise it")
-    enc = self.tokenizer(prompts, padding="max_length",
-                         max_length=self.max_prompt_len, return_tensors="np")
-    return (enc["input_ids"].astype(np.int32),
-            enc["attention_mask"].astype(np.int32))
-
-  def encode_responses(self, texts, max_len: int):
-    """Right-padded responses ending in EOS; (ids, mask) [n, max_len]."""
-    ids = np.full((len(texts), max_len), self.pad_id, np.int32)
-    mask = np.zeros((len(texts), max_len), np.int32)
-    for i, text in enumerate(texts):
-      toks = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-      toks = toks + [self.eos_id]
-      if len(toks) > max_len:
-        raise ValueError(f"warm-up response of {len(toks)} tokens exceeds "
-                         f"rl.max_new_tokens={max_len}; raise it")
-      ids[i, :len(toks)], mask[i, :len(toks)] = toks, 1
-    return ids, mask
-
-  def decode(self, tokens_NxT, mask_NxT) -> list[str]:
-    return [self.tokenizer.decode(row[m.astype(bool)], skip_special_tokens=True)
-            for row, m in zip(np.asarray(tokens_NxT), np.asarray(mask_NxT))]
 
   def grade(self, texts, problems) -> tuple[np.ndarray, np.ndarray]:
     """(rewards float32, correct bool) under ``task.rule``."""

@@ -152,5 +152,11 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
   })
   metrics["w_pos"], metrics["w_neg"] = agg.signed_weights(weights,
                                                           advantages_N)
+  # Over this call's rows (a micro-batch's, with the mini-batch's weights),
+  # then averaged like the other means. Device metrics stay finite (they are
+  # averaged over parts), so "undefined" (no signed rows of differing
+  # lengths) is logged as 0 here; aggregation.diagnostics keeps the NaN.
+  corr = agg.weight_length_correlation(weights, mask_NxT, advantages_N)
+  metrics["weight_length_corr"] = jnp.where(jnp.isnan(corr), 0.0, corr)
   return loss, metrics
 

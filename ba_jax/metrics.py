@@ -40,6 +40,9 @@ def rollout_stats(rewards_N, correct_N, advantages_N, mask_NxT, truncated_N,
           rewards_N.reshape(-1, group_size).std(-1) > 0),
       "length_gap_pos_neg": lengths["length_gap"],
       "length_gap_rel": lengths["length_gap_rel"],
+      "length_gap_in_group": lengths["length_gap_in_group"],
+      "length_gap_in_group_rel": lengths["length_gap_in_group_rel"],
+      "length_cv_in_subset": lengths["length_cv_in_subset"],
   }
   return {k: float(v) for k, v in stats.items()}
 

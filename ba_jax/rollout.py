@@ -11,6 +11,7 @@ advantages use the gathered rewards only where a statistic spans the batch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import jax
@@ -52,6 +53,7 @@ class RolloutConfig:
   advantage_std: str = "group"
   dynamic_sampling: bool = False
   max_sampling_rounds: int = 3
+  oversample: float = 1.0
   overlong: str = "none"
   overlong_buffer: int = 0
   overlong_penalty: float = 1.0
@@ -60,6 +62,9 @@ class RolloutConfig:
     if self.overlong not in OVERLONG_MODES:
       raise ValueError(f"rl.overlong={self.overlong!r}: expected one of "
                        f"{list(OVERLONG_MODES)}")
+    if self.oversample < 1.0:
+      raise ValueError(f"rl.oversample={self.oversample}: expected >= 1 "
+                       "(prompts per dynamic-sampling round / prompts_per_step)")
     if self.prompts_per_step < 1:
       raise ValueError(f"rl.prompts_per_step={self.prompts_per_step}: "
                        "expected >= 1")
@@ -96,22 +101,48 @@ def soft_overlong_penalty(lengths_N, truncated_N, *, max_len: int,
   return np.where(truncated_N, -penalty, ramp).astype(np.float32)
 
 
+def _final_rewards(rewards_N, out, rl: RolloutConfig) -> np.ndarray:
+  """The rewards the advantages see: graded, plus any soft overlong penalty."""
+  if rl.overlong != "soft":
+    return rewards_N
+  return rewards_N + soft_overlong_penalty(
+      out.mask.sum(-1), out.truncated, max_len=rl.max_new_tokens,
+      buffer=rl.overlong_buffer, penalty=rl.overlong_penalty)
+
+
+def prompts_per_round(rl: RolloutConfig) -> int:
+  """Global prompts sampled per round: ``prompts_per_step``, times
+  ``oversample`` under dynamic sampling (rounded up to whole processes)."""
+  if not rl.dynamic_sampling:
+    return rl.prompts_per_step
+  count = jax.process_count()
+  wanted = math.ceil(rl.prompts_per_step * rl.oversample)
+  return -(-wanted // count) * count
+
+
 def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
             rules=None) -> Rollout:
   """Samples, grades and (optionally) filters one step's batch.
 
   ``position`` is the global index of the next training prompt; ``key`` the
-  step's PRNG key. Dynamic sampling keeps only groups with mixed rewards and
-  samples further rounds of fresh prompts (at most ``rl.max_sampling_rounds``)
-  to refill; if still short, constant groups fill the rest (their advantage
-  is 0).
+  step's PRNG key. Dynamic sampling, as DAPO: each round samples
+  ``prompts_per_round`` fresh prompts and keeps the groups whose FINAL
+  rewards (after the soft overlong penalty) differ, until the batch is full
+  or ``1 + rl.max_sampling_rounds`` rounds have run. Only if still short
+  are the remaining places filled with groups whose final rewards are all
+  equal, whose advantage is then exactly 0 (never a group that is equal
+  before the penalty but not after it: that one has a signal and is kept).
   """
   G, B = rl.group_size, rl.prompts_per_step
-  local = process_slice(B)
-  kept, spare, rounds = [], [], 0
+  per_round = prompts_per_round(rl)
+  local_b = process_slice(B)
+  n_local = local_b.stop - local_b.start
+  local_round = process_slice(per_round)
+  kept, spare, rounds, sampled_groups = [], [], 0, 0
   t_sample = t_reward = 0.0
   while True:
-    problems = task.problems(position + rounds * B, B)[local]
+    problems = task.problems(position + rounds * per_round,
+                             per_round)[local_round]
     ids, mask = task.encode_prompts(problems)
     t0 = time.perf_counter()
     out = sampler_lib.sample_groups(
@@ -123,21 +154,22 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
     t1 = time.perf_counter()
     texts = task.decode(out.tokens, out.mask)
     rewards, correct = task.grade(texts, [p for p in problems for _ in range(G)])
+    final = _final_rewards(rewards, out, rl)
     t_reward += time.perf_counter() - t1
     t_sample += t1 - t0
     rounds += 1
+    sampled_groups += len(problems)
     for g in range(len(problems)):
       rows = slice(g * G, (g + 1) * G)
       group = (ids[g], mask[g], out.tokens[rows], out.mask[rows],
-               out.logprobs[rows], rewards[rows], correct[rows],
+               out.logprobs[rows], final[rows], correct[rows],
                out.truncated[rows])
-      mixed = rewards[rows].max() > rewards[rows].min()
+      mixed = final[rows].max() > final[rows].min()
       (kept if mixed or not rl.dynamic_sampling else spare).append(group)
-    need = len(kept) < len(problems)
+    need = len(kept) < n_local
     if not rl.dynamic_sampling or rounds > rl.max_sampling_rounds or not (
         allgather(np.array([need])).any()):
       break
-  n_local = len(problems)
   filled = max(0, n_local - len(kept))
   groups = (kept + spare[:filled])[:n_local]
   cat = lambda i: np.concatenate([g[i] for g in groups])
@@ -146,10 +178,6 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
   tokens, sample_mask, logp = cat(2), cat(3), cat(4)
   rewards, correct, truncated = cat(5), cat(6), cat(7)
   lengths = sample_mask.sum(-1)
-  if rl.overlong == "soft":
-    rewards = rewards + soft_overlong_penalty(
-        lengths, truncated, max_len=rl.max_new_tokens,
-        buffer=rl.overlong_buffer, penalty=rl.overlong_penalty)
   loss_mask = sample_mask
   if rl.overlong == "mask":
     loss_mask = sample_mask * (~truncated)[:, None].astype(np.int32)
@@ -157,13 +185,18 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
   adv = np.asarray(advantages_lib.group_advantages(
       all_rewards, G, std=rl.advantage_std))
   adv = adv[process_slice(len(all_rewards))]
+  dynamic = rl.dynamic_sampling
   stats = dict(time_sampling=t_sample, time_rewards=t_reward,
                sampling_rounds=float(rounds),
-               dapo_filled_groups=float(filled) if rl.dynamic_sampling else 0.0,
+               # this process's groups: used as equal-reward filler, and
+               # sampled but not used (equal rewards, or beyond the batch)
+               dapo_filled_groups=float(filled) if dynamic else 0.0,
+               dapo_dropped_groups=float(sampled_groups - n_local)
+               if dynamic else 0.0,
                sampled_tokens=float(lengths.sum()))
   return Rollout(prompt_ids, prompt_mask, tokens, loss_mask, sample_mask,
                  logp, rewards, correct, truncated, adv.astype(np.float32),
-                 rounds * B, stats)
+                 rounds * per_round, stats)
 
 
 def heldout_accuracy(model, task, *, samples: int, temperature: float,

@@ -208,16 +208,24 @@ class SyntheticTask:
         problems = train_problems(self.cfg, self.seed + 7919, step * batch_size,
                                   batch_size, self._exclude)
         rng = np.random.default_rng([self.seed, 3, step])
-        return problems, [sft_response(p, rng, self.cfg)[0] for p in problems]
+        return problems, [self.warmup_response(p, rng) for p in problems]
+
+    def warmup_response(self, problem: Problem,
+                        rng: np.random.Generator) -> str:
+        """One warm-up trace for ``problem`` (a subclass's own traces)."""
+        return sft_response(problem, rng, self.cfg)[0]
 
     def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
-        enc = self.tokenizer([p.prompt for p in problems],
-                             padding="max_length",
+        prompts = [p.prompt for p in problems]
+        # Checked before padding: a longer prompt would make ragged rows.
+        longest = max(prompts, key=len)
+        if len(self.tokenizer(longest)["input_ids"]) > self.max_prompt_len:
+            raise ValueError(f"prompt {longest!r} is longer than "
+                             f"task.max_prompt_len={self.max_prompt_len}; "
+                             "raise it")
+        enc = self.tokenizer(prompts, padding="max_length",
                              max_length=self.max_prompt_len,
                              return_tensors="np")
-        if enc["input_ids"].shape[1] != self.max_prompt_len:
-            raise ValueError(f"a prompt is longer than task.max_prompt_len="
-                             f"{self.max_prompt_len}; raise it")
         return (enc["input_ids"].astype(np.int32),
                 enc["attention_mask"].astype(np.int32))
 

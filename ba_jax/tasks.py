@@ -20,12 +20,13 @@ from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
 
-from ba_jax import dataset_task, synthetic
+from ba_jax import chains, dataset_task, synthetic
 
 
 class Task(Protocol):
-  """What the trainer asks of a task (``synthetic.SyntheticTask`` and
-  ``dataset_task.DatasetTask`` are the bundled ones)."""
+  """What the trainer asks of a task (``synthetic.SyntheticTask``,
+  ``chains.ChainsTask`` and ``dataset_task.DatasetTask`` are the bundled
+  ones)."""
 
   name: str  # the task.name configs use (the registry key)
   has_warmup: ClassVar[bool]  # whether warmup_examples has data
@@ -110,4 +111,5 @@ def make_task(config, tokenizer) -> Task:
 
 
 register(synthetic.SyntheticTask)
+register(chains.ChainsTask)
 register(dataset_task.DatasetTask, *dataset_task.LOADERS)

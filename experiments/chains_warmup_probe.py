@@ -11,9 +11,9 @@ the policy's samples rather than on the warm-up data, and the within-group
 gap (mean over groups holding both signs of positive minus negative mean
 length, absolute and relative to the group's mean). Writes a JSON file.
 
-Until the task registry lands, the trainer cannot build this task; the warm-up
-here calls ``ba_jax.sft.warmup`` with ``sft.task_response`` pointed at the
-task's ``warmup_response`` (the one-line wiring the registry will make).
+The warm-up is ``ba_jax.sft.warmup`` on the task's ``warmup_examples``;
+``python -m ba_jax.train --config=configs/chains.py`` runs the same task
+through the trainer.
 """
 from __future__ import annotations
 
@@ -67,7 +67,6 @@ def main(argv=None):
   graphdef, params = nnx.split(model_lib.Decoder(config, rngs=nnx.Rngs(args.seed)))
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
-  sft.task_response = lambda t, problem, rng: t.warmup_response(problem, rng)
   start = time.perf_counter()
   params = sft.warmup(params, graphdef, task, steps=args.sft_steps, batch_size=args.batch_size,
                       learning_rate=args.learning_rate, warmup_steps=20,

@@ -202,16 +202,23 @@ def test_weights_never_nan_and_diagnostics_nan_exactly_where_undefined(mode):
   """Weights stay finite for empty subsets, masked batches and zero
   advantages; a diagnostic is NaN exactly when it has nothing to measure."""
   signed = {"pos_frac", "length_gap", "length_gap_rel", "mean_len_pos",
-            "mean_len_neg"}
+            "mean_len_neg", "length_gap_in_group", "length_gap_in_group_rel",
+            "length_cv_in_subset"}
+  no_gap = {"length_gap", "length_gap_rel", "mean_len_neg",
+            "length_gap_in_group", "length_gap_in_group_rel"}
   cases = {  # mask, advantages, the diagnostics that are undefined
       "all masked": (np.zeros((8, 5)), np.array([1, -1] * 4, np.float32),
-                     {"length_cv", "pos_share", "length_gap_rel"}),
+                     {"length_cv", "pos_share", "length_gap_rel",
+                      "length_gap_in_group_rel", "length_cv_in_subset",
+                      "weight_length_corr"}),
       "all zero adv": (np.ones((8, 5)), np.zeros(8, np.float32),
-                       signed | {"pos_share"}),
+                       signed | {"pos_share", "weight_length_corr"}),
+      # Equal lengths: no correlation with length to measure.
       "all positive": (np.ones((8, 5)), np.ones(8, np.float32),
-                       {"length_gap", "length_gap_rel", "mean_len_neg"}),
+                       no_gap | {"weight_length_corr"}),
       "masked positives": (_prefix_mask([0, 0, 3, 3] * 2, 5),
-                           np.array([1, 1, -1, -1] * 2, np.float32), set()),
+                           np.array([1, 1, -1, -1] * 2, np.float32),
+                           {"weight_length_corr"}),
   }
   for name, (mask, adv, undefined) in cases.items():
     w = agg.token_weights(mask, adv, mode=mode, group_size=4,

@@ -195,3 +195,37 @@ def test_task_interface_from_a_config_section():
   with pytest.raises(ValueError, match="task.max_prompt_len=4"):
     chains.ChainsTask(c, seed=0, tokenizer=tok, max_prompt_len=4,
                       num_heldout=4).encode_prompts(train[:2])
+
+
+def test_config_variants_pick_counts_and_rules():
+  import trainer_utils as tu
+  from ba_jax import tasks
+  high_neg = tu.load_config("spread=high,gap=neg,agg=token", "configs/chains.py")
+  assert high_neg.task.name == chains.NAME and tasks.task_class(
+      chains.NAME) is chains.ChainsTask
+  assert high_neg.task.chain_counts == "1,2,8"
+  assert high_neg.task.rule == "max_chains:2"
+  assert high_neg.loss.aggregation == "token"
+  cfg = chains.config_from(high_neg.task)
+  assert high_neg.rl.max_new_tokens > chains.max_response_tokens(cfg)
+  assert tu.load_config("spread=low,gap=pos,lr=1e-3",
+                        "configs/chains.py").optim.learning_rate == 1e-3
+  with pytest.raises(ValueError, match=r"unknown variant\(s\) \['spred'\]"):
+    tu.load_config("spred=low", "configs/chains.py")
+  with pytest.raises(ValueError, match="gap='up'"):
+    tu.load_config("gap=up", "configs/chains.py")
+
+
+def test_task_built_from_the_config_warms_up_on_chains():
+  import trainer_utils as tu
+  from ba_jax import tasks
+  config = tu.load_config("smoke,gap=pos", "configs/chains.py")
+  task = tasks.make_task(config, tasks.make_tokenizer(config))
+  assert isinstance(task, chains.ChainsTask) and task.has_warmup
+  problems, texts = task.warmup_examples(step=1, batch_size=6)
+  assert [chains.parse_response(t)[1] is not None for t in texts] == [True] * 6
+  assert all(len(c) in (1, 2) for c in (chains.parse_response(t)[0] for t in texts))
+  limit = task.max_warmup_response_tokens(config.task)
+  ids, mask = task.encode_responses(texts, limit)
+  assert task.decode(ids, mask) == texts
+  assert problems == task.problems(6, 6, stream=1)

@@ -1,0 +1,108 @@
+"""The length-controlled task (ba_jax/chains.py) on a ~1M-parameter Qwen3-style
+policy: supervised warm-up, then GRPO under stress (lr 3x tiny.py's).
+
+    python -m ba_jax.train --config=configs/chains.py:spread=high,gap=pos,agg=balanced \
+        --workdir=/tmp/chains
+
+Variants (comma separated ``key=value`` after the colon): see ``VARIANTS``.
+``spread`` picks the chain counts the warm-up draws ``r`` from, so the
+within-group length CV: (4, 5) ~0.09, (1, 2, 8) ~0.60 (warm-up data, groups
+of 8). ``gap`` picks the verifier rule, and so the sign of the within-group
+positive-minus-negative length gap on the warm-up data (relative to the
+group's mean length, measured with numbers 1..9 by tests/test_chains.py's
+helpers when the task was proposed):
+
+    high: max_chains:2 (-0.65), answer (+0.03), min_chains:2 (+0.45)
+    low:  max_chains:4 (-0.12), answer (+0.01), min_chains:5 (+0.12)
+
+A low spread caps the gap, since ``r`` is the only source of length variation
+in a group. The warm-up traces do not depend on the rule (only their grades
+do), so every gap of one spread shares its warm-up: experiments/
+grid_aggregation.py warms up once per (spread, seed).
+
+Numbers are drawn from 1..5 (``max_value``), not 1..9: a ~1M-parameter
+policy after 400 warm-up steps on 9-valued problems got only ~23% of answers
+right, the partial sums being the bottleneck
+(experiments/results/chains_warmup_probe_*.json); smaller numbers keep most
+values single-digit.
+"""
+import os
+import runpy
+import types
+
+import ml_collections
+
+from ba_jax import chains
+
+common = types.SimpleNamespace(**runpy.run_path(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py")))
+tiny = types.SimpleNamespace(**runpy.run_path(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py")))
+VARIANTS = {"spread": "low|high chain-count spread",
+            "gap": "neg|none|pos sign of the length gap (the rule)",
+            "agg": "<aggregation mode>", "lr": "<float> RL peak learning rate",
+            "quick": "a minutes-scale run of one cell",
+            "smoke": "a seconds-scale run for tests"}
+CHAIN_COUNTS = {"low": "4,5", "high": "1,2,8"}
+RULES = {  # (spread, gap) -> task.rule
+    ("low", "neg"): "max_chains:4", ("low", "none"): "answer",
+    ("low", "pos"): "min_chains:5",
+    ("high", "neg"): "max_chains:2", ("high", "none"): "answer",
+    ("high", "pos"): "min_chains:2",
+}
+SMOKE_RULES = {"neg": "max_chains:1", "none": "answer", "pos": "min_chains:2"}
+
+
+def get_config(arg=None):
+  args = common.parse_variants(arg, VARIANTS, "configs/chains.py")
+  spread, gap = args.get("spread", "high"), args.get("gap", "none")
+  if spread not in CHAIN_COUNTS or gap not in ("neg", "none", "pos"):
+    raise ValueError(f"configs/chains.py: spread={spread!r}, gap={gap!r}; "
+                     "expected spread=low|high and gap=neg|none|pos")
+  c = tiny.get_config(f"agg={args['agg']}" if "agg" in args else None)
+
+  # ~0.99M parameters: 5 layers x (49k attention + 147k MLP) + 4k embedding.
+  c.model.update(dict(hidden_size=128, intermediate_size=384, num_layers=5,
+                      num_heads=4, num_kv_heads=2, head_dim=32,
+                      max_position_embeddings=160))
+
+  c.task = ml_collections.ConfigDict(dict(
+      name=chains.NAME,  # ba_jax/chains.py
+      min_terms=2,  # numbers in the prompt: 2 or 3
+      max_terms=3,
+      max_value=5,  # numbers 1..5: mostly single-digit partial sums
+      chain_counts=CHAIN_COUNTS[spread],  # warm-up draws r uniformly from these
+      rule=RULES[(spread, gap)],  # answer | min_chains:k | max_chains:k
+      sft_correct_frac=0.5,  # error-free warm-up traces (the rule may fail them)
+      grader="builtin",  # the chain rules are this task's own
+      max_prompt_len=8,  # "5+5+5=" is 6 tokens
+  ))
+  c.sft.update(steps=800, batch_size=32)
+  c.rl.max_new_tokens = _budget(c.task)
+  c.rl.overlong_buffer = 16
+  c.optim.learning_rate = float(args.get("lr", 3e-4))  # tiny.py's 1e-4 x 3
+  c.eval.num_problems = 48  # of the 150 distinct problems; training never sees them
+
+  if args.get("quick"):  # ~0.15M parameters: minutes on 2 loaded cores
+    c.model.update(dict(hidden_size=64, intermediate_size=192, num_layers=3,
+                        head_dim=16))
+    c.sft.steps = 300
+    c.rl.update(steps=20, prompts_per_step=8)
+    c.eval.num_problems = 32
+    c.log.progress_bar = False
+  if args.get("smoke"):
+    c.model.update(dict(hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=2, num_kv_heads=1, head_dim=16))
+    c.task.update(chain_counts="1,2", rule=SMOKE_RULES[gap], max_terms=2)
+    c.sft.update(steps=20, batch_size=16)
+    c.rl.update(steps=3, prompts_per_step=4, group_size=4)
+    c.rl.max_new_tokens = _budget(c.task)
+    c.eval.update(num_problems=8, samples_per_problem=2)
+    c.checkpoint.every = 2
+    c.log.progress_bar = False
+  return c
+
+
+def _budget(task) -> int:
+  """The response budget: the longest warm-up trace plus room to lengthen."""
+  return chains.max_response_tokens(chains.config_from(task)) + 12
