@@ -50,6 +50,7 @@ class RolloutConfig:
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
+  max_slots: int = 0  # decode slots per process; 0: every row at once
   advantage_std: str = "group"
   dynamic_sampling: bool = False
   max_sampling_rounds: int = 3
@@ -65,14 +66,19 @@ class RolloutConfig:
     if self.oversample < 1.0:
       raise ValueError(f"rl.oversample={self.oversample}: expected >= 1 "
                        "(prompts per dynamic-sampling round / prompts_per_step)")
+    if self.max_slots < 0:
+      raise ValueError(f"rl.max_slots={self.max_slots}: expected >= 0 (0: "
+                       "every row at once)")
     if self.prompts_per_step < 1:
       raise ValueError(f"rl.prompts_per_step={self.prompts_per_step}: "
                        "expected >= 1")
 
   @classmethod
   def from_config(cls, rl) -> "RolloutConfig":
-    """The fields of ``rl`` this dataclass has (the rest are the step's)."""
-    return cls(**{f.name: rl[f.name] for f in dataclasses.fields(cls)})
+    """The fields of ``rl`` this dataclass has (the rest are the step's); a
+    field an older run's saved config lacks keeps its default."""
+    return cls(**{f.name: rl[f.name] for f in dataclasses.fields(cls)
+                  if f.name in rl})
 
 
 @dataclasses.dataclass
@@ -149,7 +155,7 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
         model, ids, mask, group_size=G, max_new_tokens=rl.max_new_tokens,
         temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
         eos_id=task.eos_id, pad_id=task.pad_id,
-        rng=jax.random.fold_in(key, rounds), mesh=mesh, rules=rules, max_slots=rl.get("max_slots", 0))
+        rng=jax.random.fold_in(key, rounds), mesh=mesh, rules=rules, max_slots=rl.max_slots)
     out = jax.tree.map(np.asarray, out)
     t1 = time.perf_counter()
     texts = task.decode(out.tokens, out.mask)

@@ -60,6 +60,7 @@ def base(aggregation: str = "balanced") -> ml_collections.ConfigDict:
       temperature=1.0,  # sampling temperature; the loss scores at it too
       top_p=1.0,  # nucleus sampling (1.0 = off)
       top_k=0,  # top-k sampling (0 = off)
+      max_slots=0,  # decode slots per process (0: all rows at once; fewer: continuous batching, ba_jax/engine.py)
       ppo_epochs=1,  # passes over the batch per step
       num_minibatches=2,  # optimizer updates per epoch (whole groups each)
       num_microbatches=1,  # gradient accumulation inside a mini-batch
