@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from typing import Any
 
@@ -17,6 +16,7 @@ import jax
 import numpy as np
 
 from ba_jax import aggregation as agg
+from ba_jax import paths
 
 
 def rollout_stats(rewards_N, correct_N, advantages_N, mask_NxT, truncated_N,
@@ -68,11 +68,16 @@ class MetricsLogger:
     self._tb = self._bar = None
     if not enabled:
       return
-    os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    root = paths.path(workdir)
+    self._jsonl = paths.JsonlFile(root / "metrics.jsonl")
+    self._eval = paths.JsonlFile(root / "eval.jsonl")
     if tensorboard:
+      # tensorboardX writes local paths (and gs:// through its own client),
+      # not through epath. purge_step: TensorBoard drops the events a
+      # resumed run replays after its checkpoint.
       import tensorboardX
-      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
+      self._tb = tensorboardX.SummaryWriter(
+          str(root / "tb"), purge_step=first_step + 1 if first_step else None)
     if progress_bar:
       import tqdm
       self._bar = tqdm.tqdm(total=total_steps, initial=first_step,
@@ -103,10 +108,8 @@ class MetricsLogger:
     if not self.enabled:
       return
     step = record["step"]
-    self._jsonl.write(json.dumps(
-        {k: _jsonable(v) if isinstance(v, float) else v
-         for k, v in record.items()}) + "\n")
-    self._jsonl.flush()
+    self._jsonl.add({k: _jsonable(v) if isinstance(v, float) else v
+                     for k, v in record.items()})
     if self._tb is not None:
       for name, value in record.items():
         if (isinstance(value, (int, float)) and name != "step"
@@ -126,8 +129,7 @@ class MetricsLogger:
     TensorBoard."""
     if not self.enabled or not accuracy:
       return
-    with open(os.path.join(self.workdir, "eval.jsonl"), "a") as f:
-      f.write(json.dumps({"step": step, **accuracy}) + "\n")
+    self._eval.add({"step": step, **accuracy})
     if self._tb is not None:
       for name, value in accuracy.items():
         self._tb.add_scalar(f"eval/{name}", value, step)
@@ -144,7 +146,6 @@ class MetricsLogger:
     self.flush()
     if not self.enabled:
       return
-    self._jsonl.close()
     if self._tb is not None:
       self._tb.close()
     if self._bar is not None:
@@ -155,9 +156,11 @@ def read_metrics(workdir: str) -> dict[int, dict]:
   """The last record per step of ``workdir/metrics.jsonl`` (a resumed run
   rewrites the steps after its checkpoint)."""
   out: dict[int, dict] = {}
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    for line in f:
-      record = json.loads(line)
-      if "step" in record and isinstance(record["step"], int):
-        out[record["step"]] = record
+  for line in paths.read_text(paths.path(workdir) / "metrics.jsonl").split(
+      "\n"):
+    if not line.strip():
+      continue
+    record = json.loads(line)
+    if "step" in record and isinstance(record["step"], int):
+      out[record["step"]] = record
   return out
