@@ -7,6 +7,7 @@ for the device just to log.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
@@ -52,6 +53,43 @@ def weight_shares(device_metrics: dict[str, float]) -> dict[str, float]:
       device_metrics["w_pos"], device_metrics["w_neg"], np))}
 
 
+class _EventFile:
+  """A TensorBoard event file at a URL, through ``ba_jax.paths``: object
+  stores cannot append, so the buffered file is rewritten whole at each
+  flush (tensorboardX flushes every couple of minutes)."""
+
+  def __init__(self, url: str):
+    self.path, self.buffer = paths.path(url), io.BytesIO()
+
+  def write(self, data: bytes) -> None:
+    self.buffer.write(data)
+
+  def flush(self) -> None:
+    self.path.write_bytes(self.buffer.getvalue())
+
+  def close(self) -> None:
+    self.flush()
+
+
+class _EventFiles:
+  """tensorboardX's writer factory for a URL scheme (its own gs:// one
+  needs google-cloud-storage and credentials of its own)."""
+
+  def open(self, url: str) -> _EventFile:
+    return _EventFile(url)
+
+  def directory_check(self, url: str) -> None:
+    paths.path(url).mkdir(parents=True, exist_ok=True)
+
+
+def _route_event_files(root) -> None:
+  """Sends tensorboardX's files for ``root``'s URL scheme through epath."""
+  if paths.is_remote(root):
+    from tensorboardX import record_writer
+    record_writer.register_writer_factory(str(root).split(":")[0],
+                                          _EventFiles())
+
+
 def _jsonable(value: float) -> Any:
   return value if math.isfinite(value) else None
 
@@ -72,10 +110,10 @@ class MetricsLogger:
     self._jsonl = paths.JsonlFile(root / "metrics.jsonl")
     self._eval = paths.JsonlFile(root / "eval.jsonl")
     if tensorboard:
-      # tensorboardX writes local paths (and gs:// through its own client),
-      # not through epath. purge_step: TensorBoard drops the events a
-      # resumed run replays after its checkpoint.
+      # purge_step: TensorBoard drops the events a resumed run replays after
+      # its checkpoint.
       import tensorboardX
+      _route_event_files(root)
       self._tb = tensorboardX.SummaryWriter(
           str(root / "tb"), purge_step=first_step + 1 if first_step else None)
     if progress_bar:

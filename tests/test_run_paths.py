@@ -33,8 +33,8 @@ def test_jsonl_rows_on_a_bucket_are_added_and_dropped(tmp_path):
 def test_train_export_evaluate_on_a_bucket_leave_nothing_local(tmp_path,
                                                               monkeypatch):
   """gs:// served offline by fsspec from ``bucket/``. The trainer (also
-  resumed, and started from init_from on the bucket), export and evaluation
-  write only there; the working directory stays empty (no folder "gs:").
+  resumed, and started from init_from on the bucket, TensorBoard on),
+  export and evaluation write only there; the working directory stays empty (no folder "gs:").
 
   Orbax's arrays go through tensorstore's own gs:// driver, which needs the
   network: for this test orbax's directory is mapped to the bucket's
@@ -52,9 +52,10 @@ def test_train_export_evaluate_on_a_bucket_leave_nothing_local(tmp_path,
         "checkpoint.every": 1, "log.tensorboard": False,
         "eval.num_problems": 8, "eval.samples_per_problem": 1, **overrides})
 
-  first = trainer.run(config(stop_after_steps=1), "gs://b/run")
+  first = trainer.run(config(stop_after_steps=1, **{"log.tensorboard": True}),
+                      "gs://b/run")
   assert first["step"] == 1
-  out = trainer.run(config(), "gs://b/run")  # resumed from the bucket
+  out = trainer.run(config(**{"log.tensorboard": True}), "gs://b/run")  # resumed from the bucket
   assert out["step"] == 2
   export.export("gs://b/run", "gs://b/hf")
   settings = eval_lib.EvalSettings(n_samples=1, rule="answer",
@@ -78,6 +79,7 @@ def test_train_export_evaluate_on_a_bucket_leave_nothing_local(tmp_path,
                "eval_hf/results.json", "from_hf/config.json",
                "from_hf/summary.json"):
     assert name in files, name
+  assert len([f for f in files if f.startswith("run/tb/events.")]) == 2
   metrics = (bucket / "b" / "run" / "metrics.jsonl").read_text().split("\n")
   assert [l[:11] for l in metrics if l] == ['{"step": 1,', '{"step": 2,']
   assert os.listdir(cwd) == []
