@@ -134,8 +134,9 @@ _RANGES = (
 
 
 def check_ranges(config) -> None:
-  """Every ``_RANGES`` entry, and the relations between keys; the error
-  names the key, its value and what was expected."""
+  """Every ``_RANGES`` entry (the relations between keys are checked in
+  ``validate`` and the step config); the error names the key, its value and
+  what was expected."""
   for key, ok, expected in _RANGES:
     node, *parts = config, *key.split(".")
     for part in parts:
@@ -149,10 +150,6 @@ def check_ranges(config) -> None:
         good = False
       if not good:
         raise ValueError(f"{key}={node!r}: expected {expected}")
-  rl = config.rl
-  if rl.overlong == "soft" and rl.overlong_buffer > rl.max_new_tokens:
-    raise ValueError(f"rl.overlong_buffer={rl.overlong_buffer} is above "
-                     f"rl.max_new_tokens={rl.max_new_tokens}: expected <=")
 
 
 def validate(config, mesh) -> ts.StepConfig:

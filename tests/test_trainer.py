@@ -85,8 +85,6 @@ def test_unknown_config_key_is_one_line_naming_it(tmp_path):
     ({"optim.b2": 1.0}, "optim.b2=1.0"),
     ({"optim.grad_clip": -1.0}, "optim.grad_clip=-1.0"),
     ({"checkpoint.keep": 0}, "checkpoint.keep=0"),
-    ({"rl.overlong": "soft", "rl.overlong_buffer": 64},
-     "rl.overlong_buffer=64 is above rl.max_new_tokens=28"),
 ])
 def test_bad_config_fails_before_anything_runs(tmp_path, overrides, message):
   config = tu.smoke_config(**overrides)
