@@ -1,5 +1,10 @@
 """Benchmark evaluation: sample k responses per problem, grade them, report avg@k and pass@k.
 
+Math benchmarks are graded by `rewards.score_math`; code benchmarks
+(`ba_jax.code_data`: HumanEval+, MBPP+, LiveCodeBench) run their tests in the
+sandbox through `rewards.score_code`, a sample counting as correct when it
+passes every test.
+
 pass@k is the unbiased estimator of Chen et al. (2021): with n samples of
 which c are correct, pass@k = 1 - C(n-c, k) / C(n, k), averaged over problems.
 avg@n is the mean accuracy over all n samples (= pass@1).
@@ -14,6 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ba_jax import code_data
 from ba_jax import data as data_lib
 from ba_jax import rewards
 
@@ -61,6 +67,7 @@ class EvalSettings:
   template: str = "boxed"
   ks: tuple[int, ...] | None = None
   grader_timeout_s: float = 10.0
+  code_timeout_s: float = 10.0  # sandbox wall time per code test case
 
 
 def evaluate_benchmarks(generate_fn: GenerateFn, benchmarks: dict[str, Sequence[data_lib.Example]],
@@ -70,12 +77,13 @@ def evaluate_benchmarks(generate_fn: GenerateFn, benchmarks: dict[str, Sequence[
   n = settings.n_samples
   results = {"settings": dataclasses.asdict(settings), "benchmarks": {}}
   for name, examples in benchmarks.items():
+    if examples and isinstance(examples[0], code_data.CodeExample):
+      results["benchmarks"][name] = evaluate_code(name, generate_fn, examples, settings,
+                                                  tokenizer=tokenizer, pool=pool)
+      continue
     start = time.monotonic()
     prompts = [data_lib.format_prompt(e, settings.template, tokenizer) for e in examples]
-    responses = generate_fn(prompts, n)
-    if len(responses) != len(prompts) or any(len(r) != n for r in responses):
-      raise ValueError(f"{name}: generate_fn must return {len(prompts)} lists of {n} responses, "
-                       f"got {[len(r) for r in responses]}")
+    responses = _generate(name, generate_fn, prompts, n)
     flat = [r for group in responses for r in group]
     truths = [e.answer for e in examples for _ in range(n)]
     batch = rewards.score_math(flat, truths, rule=settings.rule, pool=pool,
@@ -90,6 +98,52 @@ def evaluate_benchmarks(generate_fn: GenerateFn, benchmarks: dict[str, Sequence[
     results["benchmarks"][name] = {"summary": summary, "samples": samples}
     logging.getLogger(__name__).info("%s: %s", name, summary)
   return results
+
+
+def _generate(name, generate_fn, prompts, n) -> list:
+  responses = generate_fn(prompts, n)
+  if len(responses) != len(prompts) or any(len(r) != n for r in responses):
+    raise ValueError(f"{name}: generate_fn must return {len(prompts)} lists of {n} responses, "
+                     f"got {[len(r) for r in responses]}")
+  return responses
+
+
+def code_limits(settings: EvalSettings):
+  from ba_jax import sandbox
+  return sandbox.SandboxLimits(wall_time_s=settings.code_timeout_s,
+                               cpu_time_s=max(1, int(np.ceil(settings.code_timeout_s))))
+
+
+def grade_code(examples: Sequence[code_data.CodeExample], responses: Sequence[Sequence[str]], *,
+               limits=None, pool: rewards.RewardPool | None = None) -> rewards.RewardBatch:
+  """Runs every response (row-major: problem, then sample) against its problem's tests."""
+  code_data.check_test_imports(list(examples))
+  programs, tests = [], []
+  for example, group in zip(examples, responses):
+    for response in group:
+      programs.append(code_data.program_for(example, response))
+      tests.append(list(example.tests))
+  return rewards.score_code(programs, tests, pool=pool, limits=limits)
+
+
+def evaluate_code(name: str, generate_fn: GenerateFn, examples: Sequence[code_data.CodeExample],
+                  settings: EvalSettings, *, tokenizer=None,
+                  pool: rewards.RewardPool | None = None) -> dict:
+  """Samples and sandbox-grades one code benchmark: {"summary", "samples"}."""
+  n, start = settings.n_samples, time.monotonic()
+  prompts = [code_data.format_code_prompt(e, settings.template, tokenizer) for e in examples]
+  responses = _generate(name, generate_fn, prompts, n)
+  batch = grade_code(examples, responses, limits=code_limits(settings), pool=pool)
+  correct_PxN = batch.correct.reshape(len(examples), n)
+  summary = summarize(correct_PxN, settings.ks)
+  summary.update(grader_timeouts=batch.timeouts, grader_errors=batch.errors,
+                 seconds=round(time.monotonic() - start, 2))
+  samples = [{"task_id": e.task_id, "meta": _jsonable(e.meta), "responses": list(responses[i]),
+              "tests_passed": batch.scores[i * n:(i + 1) * n].tolist(),
+              "first_failure": batch.messages[i * n:(i + 1) * n],
+              "correct": correct_PxN[i].tolist()} for i, e in enumerate(examples)]
+  logging.getLogger(__name__).info("%s: %s", name, summary)
+  return {"summary": summary, "samples": samples}
 
 
 def _jsonable(value):
@@ -198,6 +252,20 @@ def make_generate_fn(model, config, tokenizer, *, max_new_tokens: int, temperatu
   return generate
 
 
+def load_benchmark(benchmark: str, data_dir: str) -> tuple[str, list]:
+  """(canonical name, examples) of a math (`data.EVAL_SETS`) or code
+  (`code_data.CODE_SETS`) benchmark."""
+  if code_data.is_code_benchmark(benchmark):
+    name = code_data.canonical_code_name(benchmark)
+    return name, code_data.load_code_set(name, data_dir)
+  try:
+    name = data_lib.canonical_eval_name(benchmark)
+  except ValueError:
+    raise ValueError(f"unknown benchmark {benchmark!r}; expected one of "
+                     f"{sorted(data_lib.EVAL_SETS) + list(code_data.CODE_SETS)}") from None
+  return name, list(data_lib.load_eval_set(name, data_dir))
+
+
 def run_evaluation(model_path: str, benchmarks: Sequence[str], data_dir: str, output_dir: str, *,
                    settings: EvalSettings, max_new_tokens: int = 1024, temperature: float = 0.6,
                    top_p: float = 1.0, top_k: int = 0, batch_size: int = 8, seed: int = 0,
@@ -205,11 +273,10 @@ def run_evaluation(model_path: str, benchmarks: Sequence[str], data_dir: str, ou
                    limit: int | None = None) -> dict:
   """Loads the policy and the benchmarks, evaluates, writes results.json and results.md."""
   from ba_jax import paths
-  names = [data_lib.canonical_eval_name(b) for b in benchmarks]
   sets = {}
-  for name in names:
-    examples = data_lib.load_eval_set(name, data_dir)
-    sets[name] = list(examples)[:limit] if limit else list(examples)
+  for benchmark in benchmarks:
+    name, examples = load_benchmark(benchmark, data_dir)
+    sets[name] = examples[:limit] if limit else examples
   model, config, tokenizer = load_policy(model_path, step=step)
   generate = make_generate_fn(model, config, tokenizer, max_new_tokens=max_new_tokens,
                               temperature=temperature, top_p=top_p, top_k=top_k,

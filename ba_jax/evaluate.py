@@ -1,11 +1,20 @@
-"""Evaluates a policy on math benchmarks: avg@k and pass@k, as JSON and a markdown table.
+"""Evaluates a policy on math and code benchmarks: avg@k and pass@k, as JSON and a markdown table.
 
     python -m ba_jax.evaluate --model=<HF dir or trainer workdir> \
         --benchmarks=aime24,aime25,amc23,math500,minerva,olympiadbench \
         --data_dir=<dir with aime24.jsonl, ...> --k=16 --output_dir=<dir>
 
+    python -m ba_jax.evaluate --model=... --benchmarks=humanevalplus,mbppplus,livecodebench \
+        --data_dir=<dir with HumanEvalPlus-*.jsonl, MbppPlus-*.jsonl, livecodebench.jsonl> \
+        --template=chat --k=8 --output_dir=<dir>
+
 `--k` is the number of samples per problem (n); pass@1, 2, 4, ..., n are
-reported with the unbiased estimator, and avg@n. Logic: `ba_jax.eval_lib`.
+reported with the unbiased estimator, and avg@n. Code benchmarks
+(`ba_jax.code_data`) run their tests in `ba_jax.sandbox`; a sample is correct
+when it passes all of them. With `--template=chat` a code prompt is an
+instruction in the chat template; otherwise the completion prompt (the
+function prompt, or the question with an opened code fence). Logic:
+`ba_jax.eval_lib`.
 """
 from absl import app, flags
 
@@ -30,6 +39,8 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a trainer workdir (default: latest).")
 _NUM_WORKERS = flags.DEFINE_integer("num_workers", 2, "Grader processes.")
 _GRADER_TIMEOUT = flags.DEFINE_float("grader_timeout_s", 10.0, "Seconds per graded response.")
+_CODE_TIMEOUT = flags.DEFINE_float("code_timeout_s", 10.0,
+                                   "Sandbox wall-clock seconds per code test case.")
 _LIMIT = flags.DEFINE_integer("limit", None, "Only the first N problems of each benchmark.")
 
 
@@ -38,7 +49,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   settings = eval_lib.EvalSettings(
       n_samples=_K.value, rule=_RULE.value, template=_TEMPLATE.value,
-      ks=tuple(int(k) for k in _PASS_KS.value) or None, grader_timeout_s=_GRADER_TIMEOUT.value)
+      ks=tuple(int(k) for k in _PASS_KS.value) or None, grader_timeout_s=_GRADER_TIMEOUT.value,
+      code_timeout_s=_CODE_TIMEOUT.value)
   results = eval_lib.run_evaluation(
       _MODEL.value, _BENCHMARKS.value, _DATA_DIR.value, _OUTPUT_DIR.value, settings=settings,
       max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,

@@ -1,0 +1,273 @@
+"""A synthetic task whose response length is the policy's choice: chains of sums.
+
+The prompt gives a few single-digit numbers, ``3+5+2=`` (the addition task's
+prompt, ``ba_jax.synthetic.Problem``). A response writes ``r`` chains and then
+the answer::
+
+    2,5,10,12 1,4,9,11 0,3,8,10 Answer: 10
+
+A chain starting at ``s`` adds the prompt's numbers in order:
+``s, s+x1, s+x1+x2, ..., s+S``. The ``j``-th of ``r`` chains starts at
+``r - j``, so the last is the plain partial sums and the answer is its total.
+Every chain differs from every other in every value, so none can be copied,
+and every token of a response is arithmetic or a separator: there are no
+scratch tokens. The first token states how many chains will follow (``r - 1``)
+and each chain adds one chain's worth of tokens: ``r``, the length, is the
+policy's choice, made at its first token.
+
+Two knobs set what the paper's analysis of aggregation turns on:
+
+* ``chain_counts``: the warm-up data draws ``r`` uniformly from this set, so
+  its spread sets the within-group length variation (warm-up data, groups of
+  8: CV 0.09 for (4, 5), 0.51 for (1, 2, 4, 8), 0.60 for (1, 2, 8)). A group
+  shares its prompt, so ``r`` is the only source of length variation in it.
+* ``rule``, the verifier: ``"answer"`` (only ``Answer: S`` counts; no length
+  gap in the warm-up data by construction), ``"min_chains:k"`` (also every chain right and
+  ``r >= k``: correct responses are the longer ones, a positive gap) or
+  ``"max_chains:k"`` (every chain right and ``1 <= r <= k``: a negative gap).
+
+Why counting down from ``r - 1`` rather than starting chain ``j`` at the
+``j``-th prompt number: with a few numbers that reading repeats itself after
+as many chains as there are numbers (a longer prompt would lengthen every
+chain). Counting up (chain ``j`` from ``j``) works too but leaves the answer
+to a subtraction from the last total; counting down makes it that total.
+After 400 warm-up steps a ~1M-parameter policy gets the answer right on
+about a quarter of its samples either way (experiments/chains_warmup_probe.py,
+results/chains_warmup_probe_high_pos_{countup,countdown}.json): the partial
+sums, not the answer, are what it has not learnt yet.
+
+The warm-up data mixes error-free traces (share ``sft_correct_frac``) with
+traces whose last chain goes wrong by a small amount from one value on,
+carried to its total and the answer; the error is drawn independently of
+``r``, so under ``"answer"`` correct and wrong traces have the same lengths.
+Problems, held-out split, seeding and tokenizer are the addition task's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Sequence
+
+import numpy as np
+
+from ba_jax import synthetic
+from ba_jax.synthetic import Problem, build_tokenizer  # noqa: F401 -- this task's too
+
+NAME = "synthetic_chains"
+RULES = ("answer", "min_chains", "max_chains")
+_RESPONSE_RE = re.compile(r"^(?P<chains>.*?)\s*Answer:\s*(?P<answer>-?\d+)$", re.S)
+_CHAIN_RE = re.compile(r"^\d+(,\d+)*$")
+
+
+def parse_rule(rule: str) -> tuple[str, int]:
+  """``"answer"`` -> ("answer", 0); ``"min_chains:4"`` -> ("min_chains", 4)."""
+  kind, _, bound = str(rule).partition(":")
+  ok = kind in RULES and (bound == "" if kind == "answer" else bound.isdigit())
+  if not ok or (kind != "answer" and int(bound) < 1):
+    raise ValueError(f"task.rule={rule!r}: expected 'answer', 'min_chains:k' "
+                     "or 'max_chains:k' with an integer k >= 1")
+  return kind, int(bound or 0)
+
+
+def parse_counts(counts) -> tuple[int, ...]:
+  """``chain_counts`` from a sequence or a string such as ``"1,2,4,8"``."""
+  items = counts.split(",") if isinstance(counts, str) else list(counts)
+  try:
+    out = tuple(int(c) for c in items)
+  except (TypeError, ValueError):
+    out = ()
+  if not out or min(out) < 1:
+    raise ValueError(f"task.chain_counts={counts!r}: expected a non-empty list "
+                     "of chain counts >= 1, such as '1,2,4,8'")
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainsConfig:
+  """The problem fields are ``synthetic.TaskConfig``'s, so its problem
+  streams (``train_problems``, ``heldout_problems``) serve this task too."""
+  min_terms: int = 2
+  max_terms: int = 3
+  max_value: int = 9
+  chain_counts: tuple[int, ...] = (1, 2, 4, 8)
+  rule: str = "answer"
+  sft_correct_frac: float = 0.5
+
+  def __post_init__(self):
+    object.__setattr__(self, "chain_counts", parse_counts(self.chain_counts))
+    if not 2 <= self.min_terms <= self.max_terms:
+      raise ValueError(
+          f"task.min_terms={self.min_terms}, task.max_terms="
+          f"{self.max_terms}: expected 2 <= min_terms <= max_terms")
+    if not 1 <= self.max_value <= 9:
+      raise ValueError(f"task.max_value={self.max_value}: expected single "
+                       "digits, 1..9")
+    if not 0.0 <= self.sft_correct_frac <= 1.0:
+      raise ValueError(f"task.sft_correct_frac={self.sft_correct_frac}: "
+                       "expected a fraction in [0, 1]")
+    kind, bound = parse_rule(self.rule)
+    counts = self.chain_counts
+    if kind == "min_chains" and bound > max(counts) or (
+        kind == "max_chains" and bound < min(counts)):
+      raise ValueError(f"task.rule={self.rule!r} rejects every chain count in "
+                       f"task.chain_counts={counts}: no warm-up trace could "
+                       "be correct")
+
+
+def chain(p: Problem, start: int) -> list[int]:
+  """The chain from ``start``: ``start`` then it plus each partial sum."""
+  return [start] + [start + int(s) for s in np.cumsum(p.numbers)]
+
+
+def chains_for(p: Problem, r: int) -> list[list[int]]:
+  """The ``r`` chains of a right response: starts ``r-1, ..., 1, 0``."""
+  return [chain(p, r - j) for j in range(1, r + 1)]
+
+
+def _format(chains: Sequence[Sequence[int]], answer: int) -> str:
+  body = " ".join(",".join(map(str, c)) for c in chains)
+  return f"{body} Answer: {answer}" if body else f"Answer: {answer}"
+
+
+def correct_response(p: Problem, r: int) -> str:
+  return _format(chains_for(p, r), p.answer)
+
+
+def wrong_response(p: Problem, r: int, rng: np.random.Generator) -> str:
+  """The last chain off by a small nonzero amount from one value on."""
+  chains = chains_for(p, r)
+  last = chains[-1]
+  i = int(rng.integers(1, len(last)))  # its start, 0, is kept
+  deltas = [d for d in (-3, -2, -1, 1, 2, 3)
+            if last[i] + d >= 0 and p.answer + d >= 0]
+  delta = int(rng.choice(deltas))
+  chains[-1] = last[:i] + [v + delta for v in last[i:]]
+  return _format(chains, chains[-1][-1])
+
+
+def parse_response(text: str) -> tuple[list[list[int]] | None, int | None]:
+  """(chains, answer); chains is None when any chain is malformed, answer is
+  None without a final ``Answer: <int>``."""
+  m = _RESPONSE_RE.match(text.strip())
+  if not m:
+    return None, None
+  answer = int(m.group("answer"))
+  words = m.group("chains").split()
+  if not all(_CHAIN_RE.match(w) for w in words):
+    return None, answer
+  return [[int(v) for v in w.split(",")] for w in words], answer
+
+
+def grade(text: str, p: Problem, rule: str) -> float:
+  """1.0 iff ``text`` is correct for ``p`` under ``rule`` (see the module doc)."""
+  kind, bound = parse_rule(rule)
+  chains, answer = parse_response(text)
+  if answer != p.answer:
+    return 0.0
+  if kind == "answer":
+    return 1.0
+  if not chains or chains != chains_for(p, len(chains)):
+    return 0.0
+  r = len(chains)
+  return float(r >= bound if kind == "min_chains" else r <= bound)
+
+
+def chain_count(text: str) -> int:
+  """How many well-formed chains ``text`` writes before its answer (0 when
+  malformed): the length the policy chose, for diagnostics."""
+  chains, _ = parse_response(text)
+  return len(chains) if chains else 0
+
+
+def sft_response(p: Problem, rng: np.random.Generator,
+                 task: ChainsConfig) -> tuple[str, bool]:
+  """A warm-up trace for ``p`` and whether the rule grades it correct."""
+  r = int(rng.choice(task.chain_counts))
+  if rng.random() < task.sft_correct_frac:
+    text = correct_response(p, r)
+  else:
+    text = wrong_response(p, r, rng)
+  return text, grade(text, p, task.rule) > 0
+
+
+def max_response_tokens(task: ChainsConfig) -> int:
+  """An upper bound on a warm-up response's tokens, EOS included."""
+  worst = Problem((task.max_value,) * task.max_terms)
+  # an error can add a digit to each value of the last chain and the answer
+  return (len(correct_response(worst, max(task.chain_counts)))
+          + task.max_terms + 1 + 1)
+
+
+TRAINER_KEYS = ("name", "grader", "max_prompt_len")
+
+
+def config_from(task_cfg) -> ChainsConfig:
+  """A ``ChainsConfig`` from the config's ``task`` section (``TRAINER_KEYS``
+  are the trainer's; any other key is a typo)."""
+  fields = [f.name for f in dataclasses.fields(ChainsConfig)]
+  unknown = sorted(set(task_cfg.keys()) - set(fields) - set(TRAINER_KEYS))
+  if unknown:
+    raise ValueError(f"task section has unknown key(s) {unknown} for task.name={NAME!r}; "
+                     f"expected {fields + list(TRAINER_KEYS)}")
+  return ChainsConfig(**{k: task_cfg[k] for k in fields if k in task_cfg})
+
+
+class ChainsTask:
+  """This task behind the trainer's task interface (as ``SyntheticTask``)."""
+
+  def __init__(self, task_cfg, *, seed: int, tokenizer, max_prompt_len: int,
+               num_heldout: int, grader: str = "builtin"):
+    if task_cfg["name"] != NAME:
+      raise ValueError(f"task.name={task_cfg['name']!r}: expected {NAME!r}")
+    if grader != "builtin":
+      raise ValueError(f"task.grader={grader!r}: expected 'builtin' (the "
+                       "chain rules check more than ba_jax.rewards' answer)")
+    self.cfg = config_from(task_cfg)
+    self.seed, self.tokenizer = seed, tokenizer
+    self.max_prompt_len = max_prompt_len
+    self.heldout = synthetic.heldout_problems(self.cfg, num_heldout, seed)
+    self._exclude = frozenset(self.heldout)
+    self.pad_id = tokenizer.pad_token_id
+    self.eos_id = tokenizer.eos_token_id
+
+  def problems(self, start: int, n: int, stream: int = 0) -> list[Problem]:
+    """Training problems ``start..start+n-1`` (stream 1: warm-up data)."""
+    return synthetic.train_problems(self.cfg, self.seed + 7919 * stream,
+                                    start, n, self._exclude)
+
+  def warmup_response(self, problem: Problem, rng: np.random.Generator) -> str:
+    return sft_response(problem, rng, self.cfg)[0]
+
+  def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
+    prompts = [p.prompt for p in problems]
+    longest = max(prompts, key=len)
+    if len(self.tokenizer(longest)["input_ids"]) > self.max_prompt_len:
+      raise ValueError(f"prompt {longest!r} is longer than task.max_prompt_len="
+                       f"{self.max_prompt_len}; raise it")
+    enc = self.tokenizer(prompts, padding="max_length",
+                         max_length=self.max_prompt_len, return_tensors="np")
+    return (enc["input_ids"].astype(np.int32),
+            enc["attention_mask"].astype(np.int32))
+
+  def encode_responses(self, texts, max_len: int):
+    """Right-padded responses ending in EOS; (ids, mask) [n, max_len]."""
+    ids = np.full((len(texts), max_len), self.pad_id, np.int32)
+    mask = np.zeros((len(texts), max_len), np.int32)
+    for i, text in enumerate(texts):
+      toks = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+      toks = toks + [self.eos_id]
+      if len(toks) > max_len:
+        raise ValueError(f"warm-up response of {len(toks)} tokens exceeds "
+                         f"rl.max_new_tokens={max_len}; raise it")
+      ids[i, :len(toks)], mask[i, :len(toks)] = toks, 1
+    return ids, mask
+
+  def decode(self, tokens_NxT, mask_NxT) -> list[str]:
+    return [self.tokenizer.decode(row[m.astype(bool)], skip_special_tokens=True)
+            for row, m in zip(np.asarray(tokens_NxT), np.asarray(mask_NxT))]
+
+  def grade(self, texts, problems) -> tuple[np.ndarray, np.ndarray]:
+    """(rewards float32, correct bool) under ``task.rule``."""
+    correct = np.array([grade(t, p, self.cfg.rule) > 0
+                        for t, p in zip(texts, problems)], bool)
+    return correct.astype(np.float32), correct

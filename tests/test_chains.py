@@ -1,0 +1,197 @@
+"""The chains task: grading under each rule, warm-up data, and the length knobs."""
+import ml_collections
+import numpy as np
+import pytest
+
+from ba_jax import chains, synthetic
+
+P = synthetic.Problem((3, 5, 2))  # S = 10
+RULES = ("answer", "min_chains:3", "max_chains:2")
+
+
+def grades(text, p=P):
+  return {rule: chains.grade(text, p, rule) for rule in RULES}
+
+
+def test_chains_count_down_to_the_partial_sums_and_differ_everywhere():
+  assert chains.chain(P, 0) == [0, 3, 8, 10]
+  assert chains.chain(P, 2) == [2, 5, 10, 12]
+  assert chains.correct_response(P, 1) == "0,3,8,10 Answer: 10"
+  assert chains.correct_response(P, 3) == "2,5,10,12 1,4,9,11 0,3,8,10 Answer: 10"
+  some = chains.chains_for(P, 12)
+  assert all(a != b for i, x in enumerate(some) for y in some[i + 1:]
+             for a, b in zip(x, y))
+
+
+def test_grader_under_each_rule():
+  two, three = chains.correct_response(P, 2), chains.correct_response(P, 3)
+  assert grades(two) == {"answer": 1.0, "min_chains:3": 0.0, "max_chains:2": 1.0}
+  assert grades(three) == {"answer": 1.0, "min_chains:3": 1.0, "max_chains:2": 0.0}
+  # A wrong answer fails every rule, even after right chains.
+  assert set(grades(three.replace("Answer: 10", "Answer: 11")).values()) == {0.0}
+  # Only the answer counts under "answer"; chain rules need at least one chain.
+  assert grades("Answer: 10") == {"answer": 1.0, "min_chains:3": 0.0,
+                                  "max_chains:2": 0.0}
+  assert chains.grade("0,3,8,10 Answer: 10", P, "max_chains:1") == 1.0
+  assert chains.grade("0,3,8,10 Answer: 10", P, "min_chains:1") == 1.0
+
+
+@pytest.mark.parametrize("text", [
+    "2,5,10,12 2,5,10,12 0,3,8,10 Answer: 10",  # chain 2 copies chain 1
+    "1,4,9,11 2,5,10,12 0,3,8,10 Answer: 10",  # chains out of order
+    "3,6,11,13 1,4,9,11 0,3,8,10 Answer: 10",  # a first chain promising 4 chains
+    "2,5,10,12 1,4,9,12 0,3,8,10 Answer: 10",  # one value wrong
+    "2,5,10,12 1,4,9 0,3,8,10 Answer: 10",  # a chain cut short
+    "2,5,10,12 1,4,9,11,13 0,3,8,10 Answer: 10",  # a chain too long
+    "2,5,10,12 1,4,,9,11 0,3,8,10 Answer: 10",  # malformed: empty value
+    "2,5,10,12 1,4~9,11 0,3,8,10 Answer: 10",  # malformed: foreign token
+    "2,5,10,12,1,4,9,11,0,3,8,10 Answer: 10",  # chains run together
+])
+def test_bad_chains_fail_the_chain_rules_but_not_the_answer_rule(text):
+  assert grades(text) == {"answer": 1.0, "min_chains:3": 0.0, "max_chains:2": 0.0}
+
+
+def test_answer_must_end_the_response():
+  assert set(grades(chains.correct_response(P, 3) + " 4").values()) == {0.0}
+  assert chains.parse_response("no answer") == (None, None)
+  assert chains.parse_response("1,4 0,x Answer: 7") == (None, 7)
+  assert chains.chain_count(chains.correct_response(P, 4)) == 4
+  assert chains.chain_count("1,4 0,x Answer: 7") == 0
+
+
+def test_bad_rules_and_configs_are_named():
+  for bad in ("answers", "min_chains", "min_chains:0", "max_chains:x", "answer:3"):
+    with pytest.raises(ValueError, match="task.rule="):
+      chains.parse_rule(bad)
+  with pytest.raises(ValueError, match="task.chain_counts='1,x'"):
+    chains.ChainsConfig(chain_counts="1,x")
+  with pytest.raises(ValueError, match="task.chain_counts=\\(0, 2\\)"):
+    chains.ChainsConfig(chain_counts=(0, 2))
+  with pytest.raises(ValueError, match="rejects every chain count"):
+    chains.ChainsConfig(chain_counts=(1, 2), rule="min_chains:3")
+  with pytest.raises(ValueError, match="task.max_value=12"):
+    chains.ChainsConfig(max_value=12)
+  assert chains.ChainsConfig(chain_counts="4, 5").chain_counts == (4, 5)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_warmup_traces_parse_back_and_grade_as_labelled(rule):
+  task = chains.ChainsConfig(chain_counts=(1, 2, 3, 4), rule=rule)
+  rng = np.random.default_rng(0)
+  tok = chains.build_tokenizer()
+  bound = chains.max_response_tokens(task)
+  labels = []
+  for p in synthetic.train_problems(task, seed=0, start=0, n=300):
+    text, correct = chains.sft_response(p, rng, task)
+    labels.append(correct)
+    assert chains.grade(text, p, rule) == float(correct)
+    parsed, answer = chains.parse_response(text)
+    r = len(parsed)
+    assert r in task.chain_counts
+    # Every chain but the last is exact; the last is exact iff the answer is.
+    assert parsed[:-1] == chains.chains_for(p, r)[:-1]
+    assert (parsed[-1] == chains.chain(p, 0)) == (answer == p.answer)
+    assert answer == parsed[-1][-1] and parsed[-1][0] == 0
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text) and tok.unk_token_id not in ids
+    assert len(ids) + 1 <= bound
+  assert 0.1 < np.mean(labels) < 0.7
+
+
+def group_lengths(task, *, problems=200, group_size=8, seed=0):
+  """Warm-up responses, ``group_size`` per problem: [groups, G] lengths in
+  tokens (EOS included, as the sampler counts them) and correctness."""
+  rng = np.random.default_rng(seed)
+  lengths, correct = [], []
+  for p in synthetic.train_problems(task, seed=seed, start=0, n=problems):
+    out = [chains.sft_response(p, rng, task) for _ in range(group_size)]
+    lengths.append([len(t) + 1 for t, _ in out])
+    correct.append([c for _, c in out])
+  return np.array(lengths, float), np.array(correct, bool)
+
+
+def within_group_gap(lengths_GxS, correct_GxS):
+  """Mean over groups holding both signs of (pos - neg mean length), absolute
+  and relative to the group's mean length."""
+  gaps, rel = [], []
+  for L, c in zip(lengths_GxS, correct_GxS):
+    if c.any() and (~c).any():
+      gaps.append(L[c].mean() - L[~c].mean())
+      rel.append(gaps[-1] / L.mean())
+  return float(np.mean(gaps)), float(np.mean(rel))
+
+
+@pytest.mark.parametrize("counts,low,high", [((4, 5), 0.05, 0.15),
+                                             ((1, 2, 8), 0.5, 1.0),
+                                             ((1, 2, 4, 8), 0.5, 1.0)])
+def test_chain_count_spread_sets_within_group_length_cv(counts, low, high):
+  lengths, _ = group_lengths(chains.ChainsConfig(chain_counts=counts))
+  cv = (lengths.std(-1) / lengths.mean(-1)).mean()
+  assert low <= cv <= high, cv
+
+
+@pytest.mark.parametrize("counts,rule,sign", [
+    ((1, 2, 4, 8), "answer", 0), ((1, 2, 4, 8), "min_chains:4", 1),
+    ((1, 2, 4, 8), "max_chains:2", -1), ((1, 2, 8), "answer", 0),
+    ((1, 2, 8), "min_chains:2", 1), ((1, 2, 8), "max_chains:2", -1)])
+def test_verifier_rule_sets_the_sign_of_the_length_gap(counts, rule, sign):
+  task = chains.ChainsConfig(chain_counts=counts, rule=rule)
+  lengths, correct = group_lengths(task, problems=400)
+  gap, rel = within_group_gap(lengths, correct)
+  if sign == 0:
+    # A wrong trace differs from the right one by at most a few digits; what
+    # remains is sampling noise (about +-0.04 over seeds at this size).
+    assert abs(rel) < 0.06 and abs(gap) < 2.5, (gap, rel)
+  else:
+    assert sign * rel >= 0.3, (gap, rel)
+
+
+def task_section(**overrides):
+  """The ``task`` section of a config for this task (see
+  experiments/chains_config_proposal.py)."""
+  c = ml_collections.ConfigDict(dict(
+      name="synthetic_chains", min_terms=2, max_terms=3, max_value=9,
+      chain_counts="1,2,4,8", rule="min_chains:4", sft_correct_frac=0.5,
+      grader="builtin", max_prompt_len=8))
+  c.update(overrides)
+  return c
+
+
+def test_task_interface_from_a_config_section():
+  c = task_section()
+  tok = chains.build_tokenizer()
+  task = chains.ChainsTask(c, seed=3, tokenizer=tok,
+                           max_prompt_len=c.max_prompt_len, num_heldout=32,
+                           grader=c.grader)
+  assert task.cfg == chains.ChainsConfig(chain_counts=(1, 2, 4, 8),
+                                         rule="min_chains:4")
+  assert len(task.heldout) == 32
+  train = task.problems(0, 200)
+  assert not set(train) & set(task.heldout)
+  assert task.problems(10, 5) == train[10:15]
+  assert task.problems(0, 5, stream=1) != train[:5]
+  ids, mask = task.encode_prompts(train[:4])
+  assert ids.shape == mask.shape == (4, 8) and mask[:, -1].all()  # left padded
+  rng = np.random.default_rng(0)
+  texts = [task.warmup_response(p, rng) for p in train[:16]]
+  max_len = chains.max_response_tokens(task.cfg)
+  r_ids, r_mask = task.encode_responses(texts, max_len)
+  assert task.decode(r_ids, r_mask) == texts
+  assert (r_ids[np.arange(16), r_mask.sum(-1) - 1] == task.eos_id).all()
+  rewards, correct = task.grade(texts, train[:16])
+  expected = [chains.grade(t, p, "min_chains:4") for t, p in zip(texts, train)]
+  assert rewards.tolist() == expected and correct.tolist() == [e > 0 for e in expected]
+  right = [chains.correct_response(train[0], 4), chains.correct_response(train[0], 2)]
+  assert task.grade(right, train[:1] * 2)[0].tolist() == [1.0, 0.0]
+  with pytest.raises(ValueError, match="task.name='synthetic_sum'"):
+    chains.ChainsTask(task_section(name="synthetic_sum"), seed=0, tokenizer=tok,
+                      max_prompt_len=8, num_heldout=4)
+  with pytest.raises(ValueError, match="task.grader='rewards'"):
+    chains.ChainsTask(c, seed=0, tokenizer=tok, max_prompt_len=8,
+                      num_heldout=4, grader="rewards")
+  with pytest.raises(ValueError, match=r"unknown key\(s\) \['chain_count'\]"):
+    chains.ChainsTask(task_section(chain_count="1,2"), seed=0, tokenizer=tok,
+                      max_prompt_len=8, num_heldout=4)
+  with pytest.raises(ValueError, match="task.max_prompt_len=4"):
+    chains.ChainsTask(c, seed=0, tokenizer=tok, max_prompt_len=4,
+                      num_heldout=4).encode_prompts(train[:2])
