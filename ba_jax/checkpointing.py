@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -27,6 +28,25 @@ from ba_jax import paths
 
 class NoIntactCheckpoint(Exception):
   """Every checkpoint step of a workdir is damaged (the message says how)."""
+
+
+def _quiet_late_tensorstore_callbacks() -> None:
+  """After a failed restore, tensorstore's callbacks for the reads still in
+  flight reach orbax's already closed event loop, and Python prints one
+  "Event loop is closed" traceback per array (hundreds of lines under the
+  one-line warning). Drops exactly those; every other unraisable exception
+  goes to the previous hook."""
+  previous = sys.unraisablehook
+  if getattr(previous, "_ba_jax_quiet", False):
+    return
+
+  def hook(unraisable):
+    e = unraisable.exc_value
+    if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+      previous(unraisable)
+
+  hook._ba_jax_quiet = True
+  sys.unraisablehook = hook
 
 
 def first_line(error: BaseException) -> str:
@@ -127,6 +147,7 @@ class Checkpointer:
         state = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state)))["state"]
       except Exception as e:  # orbax/tensorstore raise many kinds
+        _quiet_late_tensorstore_callbacks()
         problem = (f"step {step} ({problem[0]}: {problem[1]})" if problem
                    else f"step {step} ({item}: {first_line(e)})")
         problems.append(problem)
