@@ -1,12 +1,144 @@
-"""Memory-efficient causal attention for long sequences (no [L, L] score matrix).
+"""Causal grouped-query attention, one kernel per backend.
 
-`ba_jax.model` uses it for the uncached forward when
-`ModelConfig.attention_impl == "blockwise"`; the decode path keeps its cache.
+`attend` computes the uncached forward's attention with the kernel that
+`ModelConfig.attention_impl` names: "full" (one [L, L] score matrix),
+"blockwise" (flash-style tiles in plain JAX, any backend), "xla"/"cudnn"
+(`jax.nn.dot_product_attention`), "splash" (the Pallas TPU kernel) or "auto"
+(splash on TPU, cuDNN on GPU where its constraints hold, blockwise elsewhere).
+Every kernel treats padding the same way: a key with mask 0 gets no weight, and
+a query that may see no key (left padding) gets the mean of all values, as a
+softmax over a row of equal masked scores gives. The decode path keeps its KV
+cache and calls `full_attention`.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from ba_jax import sharding as sharding_lib
+
+IMPLS = ("full", "blockwise", "xla", "cudnn", "splash", "auto")
+
+
+def resolve_impl(impl: str, *, head_dim: int, dtype, backend: str | None = None) -> str:
+  """The concrete kernel "auto" stands for on `backend` (default: JAX's default backend)."""
+  if impl != "auto":
+    return impl
+  backend = backend or jax.default_backend()
+  if backend == "tpu":
+    return "splash"
+  # cuDNN's fused attention takes 16-bit inputs and head_dim a multiple of 8 up to 128.
+  if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128:
+    return "cudnn"
+  return "blockwise"
+
+
+def full_attention(q_BxLxHxD, k, v, allowed_BxLxS, kv_axes: str = "bskd"):
+  """Softmax attention with one [L, S] score matrix; `kv_axes` "bskd" or "bksd" (the cache layout)."""
+  B, L, H, D = q_BxLxHxD.shape
+  K = k.shape[kv_axes.index("k")]
+  dt = q_BxLxHxD.dtype
+  q_BxLxKxGxD = q_BxLxHxD.reshape(B, L, K, H // K, D)
+  scores = jnp.einsum(f"blkgd,{kv_axes}->bkgls", q_BxLxKxGxD, k.astype(dt),
+                      preferred_element_type=jnp.float32) * (D ** -0.5)
+  scores = jnp.where(allowed_BxLxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  return jnp.einsum(f"bkgls,{kv_axes}->blkgd", probs, v.astype(dt)).reshape(B, L, H, D)
+
+
+def _mean_where_blind(out_BxLxHxD, v_BxLxKxD, mask_BxL):
+  """Rows that see no key (left padding) get the mean of all values, as the "full" path gives."""
+  B, L, H, D = out_BxLxHxD.shape
+  K = v_BxLxKxD.shape[2]
+  sees_a_key_BxL = jnp.cumsum(mask_BxL, axis=1) > 0
+  mean_v = jnp.repeat(jnp.mean(v_BxLxKxD.astype(jnp.float32), axis=1), H // K, axis=1)  # [B,H,D]
+  return jnp.where(sees_a_key_BxL[:, :, None, None], out_BxLxHxD, mean_v[:, None].astype(out_BxLxHxD.dtype))
+
+
+def dot_product_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, implementation: str):
+  """`jax.nn.dot_product_attention` ("xla" or "cudnn") with causality and key padding as one mask."""
+  L = q_BxLxHxD.shape[1]
+  allowed_Bx1xLxL = (jnp.tril(jnp.ones((L, L), bool))[None] & (mask_BxL[:, None, :] == 1))[:, None]
+  out = jax.nn.dot_product_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask=allowed_Bx1xLxL,
+                                     implementation=implementation)
+  return _mean_where_blind(out, v_BxLxKxD, mask_BxL)
+
+
+@functools.lru_cache(maxsize=16)
+def _splash_kernel(L: int, group: int, block: int, interpret: bool):
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+  mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((L, L)) for _ in range(group)])
+  sizes = kernel.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  return kernel.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def splash_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, block: int, *, interpret: bool = False):
+  """The Pallas TPU splash kernel: one multi-query call per (row, kv head); padding as segment ids.
+
+  Padding is a segment id: every query is in segment 1, keys in segment `mask` (pad keys in 0),
+  so no query sees a pad key, left or right padding alike, as on the other paths. L must be a
+  multiple of the kernel's block (min(block, L)).
+  """
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
+  B, L, H, D = q_BxLxHxD.shape
+  K = k_BxLxKxD.shape[2]
+  G, T = H // K, min(block, L)
+  if L % T:
+    raise ValueError(f"splash attention: sequence length {L} is not a multiple of its block {T}; "
+                     "pad the batch or set model.attention_impl='blockwise'")
+  splash = _splash_kernel(L, G, T, interpret)
+  q_BxKxGxLxD = (q_BxLxHxD * (D ** -0.5)).reshape(B, L, K, G, D).transpose(0, 2, 3, 1, 4)
+  k_BxKxLxD, v_BxKxLxD = k_BxLxKxD.transpose(0, 2, 1, 3), v_BxLxKxD.transpose(0, 2, 1, 3)
+
+  def row(q_KxGxLxD, k_KxLxD, v_KxLxD, seg_L):
+    segments = kernel.SegmentIds(q=jnp.ones_like(seg_L), kv=seg_L)
+    return jax.vmap(lambda q, k, v: splash(q, k, v, segment_ids=segments))(q_KxGxLxD, k_KxLxD, v_KxLxD)
+
+  out = jax.vmap(row)(q_BxKxGxLxD, k_BxKxLxD, v_BxKxLxD, mask_BxL.astype(jnp.int32))
+  out = out.transpose(0, 3, 1, 2, 4).reshape(B, L, H, D).astype(q_BxLxHxD.dtype)
+  return _mean_where_blind(out, v_BxLxKxD, mask_BxL)
+
+
+def _per_shard(kernel, q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL):
+  """Runs a Pallas kernel (which the partitioner cannot split) on each device's rows and heads.
+
+  Inside `sharding.activation_sharding`, rows go over the batch mesh axes and heads over the
+  tensor axis when query and kv heads split alike (else heads stay whole); the sequence is never
+  split, since the kernel's causal mask assumes whole rows.
+  """
+  mesh_rules = sharding_lib.current_mesh_rules()
+  if mesh_rules is None:
+    return kernel(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL)
+  mesh, rules = mesh_rules
+  q_spec = sharding_lib.logical_to_spec(mesh, rules, ("activation_batch", None, "heads", None), q_BxLxHxD.shape)
+  kv_spec = sharding_lib.logical_to_spec(mesh, rules, ("activation_batch", None, "kv_heads", None),
+                                         k_BxLxKxD.shape)
+  if q_spec[2] != kv_spec[2]:
+    q_spec = kv_spec = PartitionSpec(q_spec[0], None, None, None)
+  return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[0], None)),
+                       out_specs=q_spec, check_vma=False)(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL)
+
+
+def attend(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, *, impl: str, block: int):
+  """Causal attention of the uncached forward with the kernel `impl` names (see `resolve_impl`)."""
+  impl = resolve_impl(impl, head_dim=q_BxLxHxD.shape[-1], dtype=q_BxLxHxD.dtype)
+  if impl == "blockwise":
+    return blockwise_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, block)
+  if impl in ("xla", "cudnn"):
+    return dot_product_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, impl)
+  if impl == "splash":
+    kernel = functools.partial(splash_attention, block=block)
+    return _per_shard(kernel, q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL)
+  if impl == "full":
+    L = q_BxLxHxD.shape[1]
+    allowed_BxLxL = jnp.tril(jnp.ones((L, L), bool))[None] & (mask_BxL[:, None, :] == 1)
+    return full_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, allowed_BxLxL)
+  raise ValueError(f"attention_impl={impl!r} is not supported; expected one of {IMPLS}")
 
 
 def blockwise_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, block: int):

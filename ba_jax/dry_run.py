@@ -77,7 +77,7 @@ def analytic_flops(c: model_lib.ModelConfig, matmul_params: int, *,
   """
   attn = 4 * c.num_layers * c.num_heads * c.head_dim  # x queries x keys
   L = prompt_len + response_len
-  passes = 4 if c.remat else 3
+  passes = 4 if c.remat != "none" else 3
   train = passes * rows * ppo_epochs * (2 * matmul_params * L + attn * L * L)
   bucket = prompt_bucket or prompt_len
   S = bucket + response_len - 1

@@ -215,7 +215,7 @@ def _stop_ids(tokenizer, config) -> tuple[int, ...]:
 
 def make_generate_fn(model, config, tokenizer, *, max_new_tokens: int, temperature: float = 0.6,
                      top_p: float = 1.0, top_k: int = 0, batch_size: int = 8, seed: int = 0,
-                     add_special_tokens: bool = True) -> GenerateFn:
+                     add_special_tokens: bool = True, max_slots: int | None = None) -> GenerateFn:
   """A `GenerateFn` that samples through `ba_jax.sampler.sample_groups`."""
   import jax
   from ba_jax import sampler
@@ -241,7 +241,7 @@ def make_generate_fn(model, config, tokenizer, *, max_new_tokens: int, temperatu
       calls[0] += 1
       result = sampler.sample_groups(
           model, ids, mask, group_size=n, max_new_tokens=max_new_tokens, temperature=temperature,
-          top_p=top_p, top_k=top_k, eos_id=eos_ids, pad_id=pad_id, rng=rng)
+          top_p=top_p, top_k=top_k, eos_id=eos_ids, pad_id=pad_id, rng=rng, max_slots=max_slots)
       tokens = np.asarray(result.tokens)
       lengths = np.asarray(result.lengths)
       texts = [tokenizer.decode(tokens[r, :lengths[r]].tolist(), skip_special_tokens=True)

@@ -37,6 +37,13 @@ class WeightSpec:
   hf_shape: tuple
   to_ours: Callable[[np.ndarray], np.ndarray]
   to_hf: Callable[[np.ndarray], np.ndarray]
+  layer: int | None = None  # index into the stacked layers' leading axis of `path`
+
+  def lookup(self, tree: dict):
+    """This tensor (our layout) in a pure dict shaped like `nnx.to_pure_dict(nnx.state(model))`."""
+    for key in self.path:
+      tree = tree[key]
+    return tree if self.layer is None else tree[self.layer]
 
 
 def _same(x):
@@ -44,7 +51,7 @@ def _same(x):
 
 
 def weight_specs(c: ModelConfig) -> list[WeightSpec]:
-  """Every parameter: HF name and shape, our path, and the (exact) layout maps between them."""
+  """Every HF tensor: name and shape, our path (and layer, for the stacked layers), exact layout maps."""
   E, H, K, D, M, V = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size
 
   def dense_in(heads):  # HF [heads*D, E] <-> ours [E, heads, D]
@@ -56,9 +63,9 @@ def weight_specs(c: ModelConfig) -> list[WeightSpec]:
   transpose = (lambda w: w.T, lambda w: w.T)
   specs = [WeightSpec("model.embed_tokens.weight", ("embed_tokens",), (V, E), _same, _same)]
   for i in range(c.num_layers):
-    hf, us = f"model.layers.{i}.", ("layers", i)
+    hf, us = f"model.layers.{i}.", ("layers",)
     a = us + ("self_attn",)
-    specs += [
+    layer_specs = [
         WeightSpec(hf + "input_layernorm.weight", us + ("input_layernorm", "scale"), (E,), _same, _same),
         WeightSpec(hf + "self_attn.q_proj.weight", a + ("q_proj",), (H * D, E), *dense_in(H)),
         WeightSpec(hf + "self_attn.k_proj.weight", a + ("k_proj",), (K * D, E), *dense_in(K)),
@@ -67,21 +74,22 @@ def weight_specs(c: ModelConfig) -> list[WeightSpec]:
                    lambda w: w.T.reshape(H, D, E), lambda w: w.reshape(H * D, E).T),
     ]
     if c.attention_bias:
-      specs += [WeightSpec(hf + "self_attn.q_proj.bias", a + ("q_bias",), (H * D,), *bias(H)),
+      layer_specs += [WeightSpec(hf + "self_attn.q_proj.bias", a + ("q_bias",), (H * D,), *bias(H)),
                 WeightSpec(hf + "self_attn.k_proj.bias", a + ("k_bias",), (K * D,), *bias(K)),
                 WeightSpec(hf + "self_attn.v_proj.bias", a + ("v_bias",), (K * D,), *bias(K))]
     if c.out_bias:
-      specs.append(WeightSpec(hf + "self_attn.o_proj.bias", a + ("o_bias",), (E,), _same, _same))
+      layer_specs.append(WeightSpec(hf + "self_attn.o_proj.bias", a + ("o_bias",), (E,), _same, _same))
     if c.qk_norm:
-      specs += [WeightSpec(hf + "self_attn.q_norm.weight", a + ("q_norm", "scale"), (D,), _same, _same),
+      layer_specs += [WeightSpec(hf + "self_attn.q_norm.weight", a + ("q_norm", "scale"), (D,), _same, _same),
                 WeightSpec(hf + "self_attn.k_norm.weight", a + ("k_norm", "scale"), (D,), _same, _same)]
-    specs += [
+    layer_specs += [
         WeightSpec(hf + "post_attention_layernorm.weight", us + ("post_attention_layernorm", "scale"), (E,),
                    _same, _same),
         WeightSpec(hf + "mlp.gate_proj.weight", us + ("mlp", "gate_proj"), (M, E), *transpose),
         WeightSpec(hf + "mlp.up_proj.weight", us + ("mlp", "up_proj"), (M, E), *transpose),
         WeightSpec(hf + "mlp.down_proj.weight", us + ("mlp", "down_proj"), (E, M), *transpose),
     ]
+    specs += [dataclasses.replace(spec, layer=i) for spec in layer_specs]
   specs.append(WeightSpec("model.norm.weight", ("norm", "scale"), (E,), _same, _same))
   if not c.tie_word_embeddings:
     specs.append(WeightSpec("lm_head.weight", ("lm_head",), (V, E), *transpose))
@@ -144,7 +152,7 @@ def _set_path(tree: dict, path: tuple, value):
 
 
 def load_pretrained(path, *, dtype: str = "float32", param_dtype: str | None = None, mesh=None, rules=None,
-                    remat: bool = False, attention_impl: str = "full",
+                    remat: str | bool = "none", attention_impl: str = "full",
                     attention_block: int = 512) -> tuple[Decoder, ModelConfig]:
   """Loads a HF checkpoint directory. `param_dtype` defaults to the checkpoint's own dtype."""
   path = pathlib.Path(path)
@@ -161,20 +169,30 @@ def load_pretrained(path, *, dtype: str = "float32", param_dtype: str | None = N
   if mesh is not None:
     shardings = nnx.to_pure_dict(sharding_lib.state_shardings(params, mesh, rules or sharding_lib.DEFAULT_RULES))
   values = nnx.to_pure_dict(params)
+  by_path: dict[tuple, list[WeightSpec]] = {}
   for spec in weight_specs(config):
-    hf_tensor = reader.get(spec.hf_name)
-    if tuple(hf_tensor.shape) != spec.hf_shape:
-      raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(hf_tensor.shape)}; "
-                       f"expected {spec.hf_shape} from config.json")
-    ours = np.ascontiguousarray(spec.to_ours(hf_tensor).astype(jnp.dtype(param_dtype)))
+    by_path.setdefault(spec.path, []).append(spec)
+  for path_key, specs in by_path.items():
+    # One host buffer per parameter: the stacked layers' tensors are read one by one into it.
+    target = values
+    for key in path_key:
+      target = target[key]
+    ours = np.empty(target.shape, jnp.dtype(param_dtype))
+    for spec in specs:
+      hf_tensor = reader.get(spec.hf_name)
+      if tuple(hf_tensor.shape) != spec.hf_shape:
+        raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(hf_tensor.shape)}; "
+                         f"expected {spec.hf_shape} from config.json")
+      ours[() if spec.layer is None else spec.layer] = spec.to_ours(hf_tensor).astype(ours.dtype)
     if shardings is None:
       array = jnp.asarray(ours)
     else:
-      target = shardings
-      for key in spec.path:
-        target = target[key]
-      array = jax.make_array_from_callback(ours.shape, target, lambda index, ours=ours: ours[index])
-    _set_path(values, spec.path, array)
+      sharding = shardings
+      for key in path_key:
+        sharding = sharding[key]
+      array = jax.make_array_from_callback(ours.shape, sharding, lambda index, ours=ours: ours[index])
+    _set_path(values, path_key, array)
+    del ours
   nnx.replace_by_pure_dict(params, values)
   return nnx.merge(graphdef, params, rest), config
 
@@ -218,9 +236,7 @@ def save_pretrained(model: Decoder, config: ModelConfig, path, tokenizer=None, *
   values = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   shards, current, current_size, total = [], {}, 0, 0
   for spec in weight_specs(config):
-    tensor = values
-    for key in spec.path:
-      tensor = tensor[key]
+    tensor = spec.lookup(values)
     hf_tensor = np.ascontiguousarray(spec.to_hf(_to_host(tensor)))
     if current and current_size + hf_tensor.nbytes > limit:
       shards.append(current)

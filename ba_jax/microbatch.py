@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ba_jax import aggregation as agg
+from ba_jax import sharding as sharding_lib
 
 
 def mini_batch_weights(mask, advantages, *, aggregation: str, group_size: int,
@@ -38,9 +39,12 @@ def split_micro_batches(batch: Any, num_micro_batches: int) -> Any:
     if leaf.shape[:1] != (n,):
       raise ValueError(
           f"every batch array must have leading size {n}; got {leaf.shape}.")
+  # Inside a mesh context, each micro-batch's rows stay split over the batch
+  # mesh axes (not the micro-batch axis, which the scan walks).
   return jax.tree.map(
-      lambda x: x.reshape(num_micro_batches, n // num_micro_batches,
-                          *x.shape[1:]), batch)
+      lambda x: sharding_lib.constrain(
+          x.reshape(num_micro_batches, n // num_micro_batches, *x.shape[1:]),
+          (None, "activation_batch") + (None,) * (x.ndim - 1)), batch)
 
 
 def combine_metrics(metrics_k: dict) -> dict:

@@ -118,7 +118,7 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
         model, ids, mask, group_size=G, max_new_tokens=rl.max_new_tokens,
         temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
         eos_id=task.eos_id, pad_id=task.pad_id,
-        rng=jax.random.fold_in(key, rounds), mesh=mesh, rules=rules)
+        rng=jax.random.fold_in(key, rounds), mesh=mesh, rules=rules, max_slots=rl.get("max_slots", 0))
     out = jax.tree.map(np.asarray, out)
     t1 = time.perf_counter()
     texts = task.decode(out.tokens, out.mask)
@@ -167,8 +167,8 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
 
 
 def heldout_accuracy(model, task, *, samples: int, temperature: float,
-                     max_new_tokens: int, key, mesh=None, rules=None
-                     ) -> float:
+                     max_new_tokens: int, key, mesh=None, rules=None,
+                     max_slots: int = 0) -> float:
   """Mean exact-answer accuracy on the held-out problems (greedy when
   ``temperature == 0``; then one sample each)."""
   problems = task.heldout[process_slice(len(task.heldout))]
@@ -177,7 +177,7 @@ def heldout_accuracy(model, task, *, samples: int, temperature: float,
   out = sampler_lib.sample_groups(
       model, ids, mask, group_size=samples, max_new_tokens=max_new_tokens,
       temperature=temperature, eos_id=task.eos_id, pad_id=task.pad_id,
-      rng=key, mesh=mesh, rules=rules)
+      rng=key, mesh=mesh, rules=rules, max_slots=max_slots)
   texts = task.decode(np.asarray(out.tokens), np.asarray(out.mask))
   _, correct = task.grade(texts, [p for p in problems for _ in range(samples)])
   return float(allgather(correct.astype(np.float32)).mean())

@@ -4,57 +4,36 @@
 length (so a new batch of the same bucket reuses the compiled program),
 prefills a preallocated KV cache once on the B prompts, repeats the cache G
 times and decodes with a `lax.while_loop` that stops as soon as every row has
-emitted a stop token. Draws use an inverse CDF (one uniform per row), which on
-CPU is several times cheaper than `jax.random.categorical` over the vocabulary.
+emitted a stop token (or its row budget). Draws (`ba_jax.draw`) use an
+inverse CDF with one uniform per row from the row's own key.
+
+With `max_slots` below the number of rows, the same call goes through the
+continuous-batching engine (`ba_jax.engine`): a KV cache of `max_slots` rows,
+refilled as rows finish; for the same key it returns the same samples.
 """
 
-import dataclasses
 import functools
 import math
 from typing import Sequence
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ba_jax import decoding
+from ba_jax import engine
 from ba_jax import model as model_lib
 from ba_jax import sharding as sharding_lib
+from ba_jax.draw import draw_tokens, row_uniforms
 from ba_jax.scoring import left_justify
 
 DEFAULT_MIN_BUCKET = 16
 
 
-@flax.struct.dataclass
-class SampleResult:
-  """Responses, group-major: row n answers prompt n // group_size.
-
-  tokens: int32 [B*G, T], pad_id after the stop token.
-  logprobs: float32 [B*G, T], log-prob of each sampled token under
-    softmax(logits / temperature) over the full vocabulary (before top-k /
-    top-p truncation; temperature 1.0 when greedy), 0 where mask is 0.
-  mask: int32 [B*G, T], 1 up to and including the stop token.
-  lengths: int32 [B*G], the number of response tokens (sum of mask).
-  truncated: bool [B*G], True when the row hit max_new_tokens without a stop
-    token.
-  """
-  tokens: jax.Array
-  logprobs: jax.Array
-  mask: jax.Array
-  lengths: jax.Array
-  truncated: jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class _LoopConfig:
-  """What the compiled program depends on (temperature and stop ids do not)."""
-  group_size: int
-  max_new_tokens: int
-  pad_id: int
-  greedy: bool
-  top_k: int
-  top_p: float
+SampleResult = decoding.SampleResult
+_LoopConfig = decoding.LoopConfig
+_constrain = decoding.constrain_batch
 
 
 _TRACE_COUNT = 0
@@ -79,71 +58,8 @@ def bucket_length(length: int, buckets: Sequence[int] | None = None) -> int:
   return fitting[0]
 
 
-def _inverse_cdf(probs_NxK: jax.Array, u_N: jax.Array):
-  """Index drawn from each row's (unnormalised) probabilities, one uniform each.
-
-  Returns `(index_N, total_N)`, total being the row's summed mass.
-
-  An entry of probability 0 is never returned: the target stays strictly below
-  the row total, and the first cdf entry above it has positive mass.
-  """
-  cdf_NxK = jnp.cumsum(probs_NxK, axis=-1)
-  total_N = cdf_NxK[:, -1]
-  target_N = jnp.minimum(u_N * total_N, jnp.nextafter(total_N, 0.0))
-  return jnp.sum(cdf_NxK <= target_N[:, None], axis=-1, dtype=jnp.int32), total_N
-
-
-def draw_tokens(logits_NxV: jax.Array, rng: jax.Array, temperature=1.0, *,
-                greedy: bool = False, top_k: int = 0, top_p: float = 1.0):
-  """Draws one token per row; returns `(tokens_N, logprobs_N)`.
-
-  `temperature` may be traced; `greedy`, `top_k` (0 = off) and `top_p`
-  (1 = off) are static. The log-prob is under softmax(logits / temperature)
-  over the full vocabulary, whatever top-k / top-p kept (under
-  softmax(logits) when greedy), so it equals what `score_responses` gives.
-  """
-  logits_NxV = logits_NxV.astype(jnp.float32)
-  if greedy:
-    tok_N = jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32)
-    picked_N = jnp.take_along_axis(logits_NxV, tok_N[:, None], axis=-1)[:, 0]
-    return tok_N, picked_N - jax.nn.logsumexp(logits_NxV, axis=-1)
-  scaled_NxV = logits_NxV / temperature
-  u_N = jax.random.uniform(rng, scaled_NxV.shape[:1], dtype=jnp.float32)
-  max_N = jnp.max(scaled_NxV, axis=-1)
-  if top_k == 0 and top_p >= 1.0:
-    probs_NxV = jnp.exp(scaled_NxV - max_N[:, None])
-    tok_N, total_N = _inverse_cdf(probs_NxV, u_N)
-  else:
-    vocab = scaled_NxV.shape[-1]
-    top_NxK, top_idx_NxK = jax.lax.top_k(scaled_NxV, min(top_k or vocab, vocab))
-    if top_p < 1.0:
-      # Nucleus on the top-k distribution, as transformers does: keep the
-      # smallest prefix whose mass reaches top_p (always the first token).
-      probs_NxK = jax.nn.softmax(top_NxK, axis=-1)
-      mass_before_NxK = jnp.cumsum(probs_NxK, axis=-1) - probs_NxK
-      top_NxK = jnp.where(mass_before_NxK < top_p, top_NxK, -jnp.inf)
-    pick_N, _ = _inverse_cdf(jnp.exp(top_NxK - max_N[:, None]), u_N)
-    # Kept entries come first; a rounding gap in the cdf must not step past them.
-    kept_N = jnp.sum(top_NxK > -jnp.inf, axis=-1, dtype=jnp.int32)
-    pick_N = jnp.minimum(pick_N, kept_N - 1)
-    tok_N = jnp.take_along_axis(top_idx_NxK, pick_N[:, None], axis=-1)[:, 0]
-    total_N = jnp.sum(jnp.exp(scaled_NxV - max_N[:, None]), axis=-1)
-  picked_N = jnp.take_along_axis(scaled_NxV, tok_N[:, None], axis=-1)[:, 0]
-  return tok_N.astype(jnp.int32), picked_N - max_N - jnp.log(total_N)
-
-
-def _constrain(x, mesh_rules):
-  """Shards x's leading (batch) axis as the rules map "batch", where it divides."""
-  if mesh_rules is None or x.ndim == 0:
-    return x
-  mesh, rules = mesh_rules
-  logical_axes = ("batch",) + (None,) * (x.ndim - 1)
-  return jax.lax.with_sharding_constraint(
-      x, sharding_lib.logical_sharding(mesh, rules, logical_axes, shape=x.shape))
-
-
 def _sample_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng,
-                    temperature, eos_E, cfg: _LoopConfig, mesh_rules):
+                    temperature, eos_E, cfg: _LoopConfig, mesh_rules, budget_N=None):
   global _TRACE_COUNT
   _TRACE_COUNT += 1  # Runs only while tracing: counts compilations.
   model = nnx.merge(graphdef, state)
@@ -153,7 +69,8 @@ def _sample_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng,
   ids_BxP, mask_BxP = left_justify(prompt_ids_BxP, prompt_mask_BxP, cfg.pad_id)
   cache = model_lib.init_cache(model.config, B, P + T - 1)  # the last token is not fed
   cache = jax.tree.map(lambda x: _constrain(x, mesh_rules), cache)
-  logits_BxPxV, cache = model(ids_BxP, mask_BxP, cache=cache)
+  layers = model.layer_slices()  # once, outside the decode loop (see Decoder.layer_slices)
+  logits_BxPxV, cache = model(ids_BxP, mask_BxP, cache=cache, layers=layers)
   # Left-justified, so the last column holds every prompt's last token.
   repeat = lambda x: x if x.ndim == 0 else jnp.repeat(x, G, axis=0)
   cache = jax.tree.map(lambda x: _constrain(repeat(x), mesh_rules), cache)
@@ -161,31 +78,34 @@ def _sample_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng,
   draw = functools.partial(draw_tokens, temperature=temperature, greedy=cfg.greedy,
                            top_k=cfg.top_k, top_p=cfg.top_p)
 
-  tok_N, logp_N = draw(logits_NxV, jax.random.fold_in(rng, 0))
+  rows_N = jnp.arange(N, dtype=jnp.int32)
+  tok_N, logp_N = draw(logits_NxV, None, uniforms_N=row_uniforms(rng, rows_N, 0 * rows_N))
   tokens_NxT = jnp.full((N, T), cfg.pad_id, jnp.int32).at[:, 0].set(tok_N)
   logprobs_NxT = jnp.zeros((N, T), jnp.float32).at[:, 0].set(logp_N)
   tokens_NxT = _constrain(tokens_NxT, mesh_rules)
   logprobs_NxT = _constrain(logprobs_NxT, mesh_rules)
   done_N = jnp.isin(tok_N, eos_E)
   lengths_N = jnp.ones((N,), jnp.int32)
+  budget_N = jnp.full((N,), T, jnp.int32) if budget_N is None else _constrain(budget_N, mesh_rules)
 
   def cond(carry):
-    step, _, _, done_N, *_ = carry
-    return (step < T) & ~jnp.all(done_N)
+    step, _, _, done_N, lengths_N, *_ = carry
+    return (step < T) & jnp.any(~done_N & (lengths_N < budget_N))
 
   def body(carry):
     step, cache, prev_N, done_N, lengths_N, tokens_NxT, logprobs_NxT = carry
-    alive_N = ~done_N
+    alive_N = ~done_N & (lengths_N < budget_N)
     logits_Nx1xV, cache = model(prev_N[:, None], alive_N[:, None].astype(jnp.int32),
-                                cache=cache)
-    tok_N, logp_N = draw(logits_Nx1xV[:, 0], jax.random.fold_in(rng, step))
+                                cache=cache, layers=layers)
+    tok_N, logp_N = draw(logits_Nx1xV[:, 0], None,
+                         uniforms_N=row_uniforms(rng, rows_N, jnp.full_like(rows_N, step)))
     tok_N = jnp.where(alive_N, tok_N, cfg.pad_id)
     logp_N = jnp.where(alive_N, logp_N, 0.0)
     tokens_NxT = jax.lax.dynamic_update_slice(tokens_NxT, tok_N[:, None], (0, step))
     logprobs_NxT = jax.lax.dynamic_update_slice(logprobs_NxT, logp_N[:, None],
                                                 (0, step))
     lengths_N = lengths_N + alive_N.astype(jnp.int32)
-    done_N = done_N | jnp.isin(tok_N, eos_E)
+    done_N = done_N | (alive_N & jnp.isin(tok_N, eos_E))  # a row cut at its budget is truncated
     return step + 1, cache, tok_N, done_N, lengths_N, tokens_NxT, logprobs_NxT
 
   carry = (jnp.int32(1), cache, tok_N, done_N, lengths_N, tokens_NxT, logprobs_NxT)
@@ -241,7 +161,8 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
                   top_p: float = 1.0, top_k: int = 0, eos_id, pad_id: int,
                   rng: jax.Array, prompt_buckets: Sequence[int] | None = None,
                   mesh: jax.sharding.Mesh | None = None,
-                  rules=None) -> SampleResult:
+                  rules=None, max_slots: int | None = None,
+                  prefill_chunk: int = 0, row_budgets=None) -> SampleResult:
   """Samples `group_size` responses for each of B prompts in one jitted call.
 
   Args:
@@ -262,6 +183,17 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
       "batch" maps to under `rules` (default `sharding.DEFAULT_RULES`). The
       mesh defaults to the one the model's parameters live on, if any. With
       several processes each passes and gets back its own rows.
+    max_slots: decode slots per process for the continuous-batching engine
+      (`ba_jax.engine`): its KV cache holds `max_slots` rows, whatever B*G is,
+      and a finished row's slot takes the next pending one. None or 0, or at
+      least this process's B*G rows: every row decodes at once (the static
+      program; the engine would have nothing to refill). Both give the same
+      tokens for the same key.
+    prefill_chunk: the engine prefills prompts this many tokens at a time
+      (0: whole), bounding prefill activations for long prompts.
+    row_budgets: optional int [B*G], each row's own budget in [1, T]; a row
+      that reaches it is truncated (e.g. per-prompt budgets, or a benchmark's
+      forced length schedule).
 
   Returns:
     A `SampleResult`. `logprobs` are full-vocabulary log-probs at the sampling
@@ -289,7 +221,18 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
     if empty.size:
       raise ValueError(f"prompt rows {empty.tolist()} have no real token (all of"
                        " prompt_mask is 0); every prompt needs at least one")
+  if max_slots is not None and (not isinstance(max_slots, (int, np.integer)) or max_slots < 0):
+    raise ValueError(f"max_slots must be None or an int >= 0 (0 = every row at once), got {max_slots!r}")
+  if not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 0:
+    raise ValueError(f"prefill_chunk must be an int >= 0 (0 = whole prompt), got {prefill_chunk!r}")
   B, P = np.shape(prompt_ids)
+  if row_budgets is not None:
+    row_budgets = np.asarray(row_budgets)
+    if row_budgets.shape != (B * group_size,) or not (
+        (row_budgets >= 1) & (row_budgets <= max_new_tokens)).all():
+      raise ValueError(f"row_budgets must be ints in [1, max_new_tokens={max_new_tokens}] of shape"
+                       f" [B*G] = ({B * group_size},), got shape {row_budgets.shape}")
+    row_budgets = jnp.asarray(row_budgets, jnp.int32)
   bucket = bucket_length(P, prompt_buckets)
   greedy = temperature == 0  # Greedy ignores top-k / top-p: one program for it.
   cfg = _LoopConfig(int(group_size), int(max_new_tokens), int(pad_id), greedy,
@@ -307,10 +250,15 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
   if mesh is not None:
     mesh_rules = (mesh, sharding_lib.DEFAULT_RULES if rules is None else tuple(rules))
     ids_BxP, mask_BxP = (_to_global(x, mesh_rules) for x in (ids_BxP, mask_BxP))
-  result = _sample_jit(graphdef, state, ids_BxP, mask_BxP, rng,
-                       jnp.float32(1.0 if greedy else temperature),
-                       _padded_eos(eos_ids), cfg=cfg,
-                       mesh_rules=mesh_rules)
+    if row_budgets is not None:
+      row_budgets = _to_global(row_budgets, mesh_rules)
+  args = (graphdef, state, ids_BxP, mask_BxP, rng, jnp.float32(1.0 if greedy else temperature),
+          _padded_eos(eos_ids))
+  if max_slots and max_slots < B * group_size:
+    engine_cfg = engine.EngineConfig(cfg, int(max_slots) * jax.process_count(), int(prefill_chunk))
+    result = engine.engine_jit(*args, cfg=engine_cfg, mesh_rules=mesh_rules, budget_N=row_budgets)
+  else:
+    result = _sample_jit(*args, cfg=cfg, mesh_rules=mesh_rules, budget_N=row_budgets)
   if mesh_rules is not None and jax.process_count() > 1:
     result = jax.tree.map(lambda x: _to_local(x, mesh_rules), result)
   return result
@@ -326,7 +274,7 @@ def _to_global(x_BxP, mesh_rules):
   """Places prompts batch-sharded; with several processes each gives its own rows."""
   if jax.process_count() > 1:
     mesh, rules = mesh_rules
-    sharding = sharding_lib.logical_sharding(mesh, rules, ("batch", None))
+    sharding = sharding_lib.logical_sharding(mesh, rules, ("batch",) + (None,) * (np.ndim(x_BxP) - 1))
     return jax.make_array_from_process_local_data(sharding, np.asarray(x_BxP))
   return jax.device_put(x_BxP, _batch_sharding(x_BxP, mesh_rules))
 

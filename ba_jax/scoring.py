@@ -2,8 +2,10 @@
 
 The trainer scores the same sampled tokens three times (policy, old policy,
 reference); the sampler's `logprobs` are the same numbers, so they can stand in
-for the old policy's.
+for the old policy's. The LM head runs chunk by chunk along the sequence, so no
+`[rows, length, vocab]` logits are ever held, forward or backward.
 """
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
@@ -33,17 +35,50 @@ def token_logprobs(logits_NxTxV: jax.Array, tokens_NxT: jax.Array,
   return logp_NxT, entropy_NxT
 
 
+def chunked_token_logprobs(hidden_NxTxE: jax.Array, head_ExV: jax.Array,
+                           tokens_NxT: jax.Array, temperature: float = 1.0,
+                           chunk: int = 512):
+  """`token_logprobs` of `hidden @ head`, `chunk` positions at a time.
+
+  A `lax.scan` over chunks of the sequence, each under `jax.checkpoint`: only
+  one `[N, chunk, V]` block of logits is live in the forward pass, and the
+  backward pass recomputes each block from the hidden states it saved.
+  """
+  N, T, _ = hidden_NxTxE.shape
+  C = min(chunk, T)
+  n = -(-T // C)
+
+  def chunks(x):  # [N, T, ...] -> [n, N, C, ...]; the padded tail is dropped below
+    x = jnp.pad(x, [(0, 0), (0, n * C - T)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(N, n, C, *x.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def one_chunk(hidden_NxCxE, tokens_NxC):
+    logits_NxCxV = jnp.einsum("nce,ev->ncv", hidden_NxCxE, head_ExV,
+                              preferred_element_type=jnp.float32)
+    return token_logprobs(logits_NxCxV, tokens_NxC, temperature)
+
+  _, (logp_nxNxC, entropy_nxNxC) = jax.lax.scan(
+      lambda _, xs: (None, one_chunk(*xs)), None,
+      (chunks(hidden_NxTxE), chunks(tokens_NxT)))
+  unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(N, n * C)[:, :T]
+  return unchunk(logp_nxNxC), unchunk(entropy_nxNxC)
+
+
 def score_responses(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
-                    response_mask_NxT, *, temperature: float = 1.0):
+                    response_mask_NxT, *, temperature: float = 1.0,
+                    chunk: int | None = None):
   """Scores responses with one forward pass over `[prompt; response]`.
 
   Args:
-    model: a `Decoder`; `model(ids, mask)` gives logits `[N, L, V]`.
+    model: a `Decoder` (`model.hidden_states` and `model.head_weights`).
     prompt_ids_NxP, prompt_mask_NxP: prompts, any padding (left is usual).
     response_ids_NxT, response_mask_NxT: responses starting at column 0, with
       mask 1 on real tokens (the stop token included) and 0 after.
     temperature: the sampling temperature; must be > 0. Greedy samples (drawn
       at temperature 0) carry log-probs at temperature 1.0, so score them so.
+    chunk: response positions per LM-head chunk; default
+      `model.config.logprob_chunk` (config key `model.logprob_chunk`).
 
   Returns:
     `(logp_NxT, entropy_NxT)`, float32: the log-probability of each response
@@ -75,11 +110,14 @@ def score_responses(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
   response_ids_NxT = response_ids_NxT.astype(jnp.int32)
   ids_NxL = jnp.concatenate([prompt_ids_NxP, response_ids_NxT], axis=1)
   mask_NxL = jnp.concatenate([prompt_mask_NxP, response_mask_NxT], axis=1)
-  logits_NxLxV = model(ids_NxL, mask_NxL)
-  # The logits at column P-1+t predict response token t.
-  logits_NxTxV = logits_NxLxV[:, P - 1:P - 1 + T]
-  logp_NxT, entropy_NxT = token_logprobs(logits_NxTxV, response_ids_NxT,
-                                         temperature)
+  chunk = model.config.logprob_chunk if chunk is None else chunk
+  if not isinstance(chunk, int) or chunk < 1:
+    raise ValueError(f"score_responses: chunk must be a positive int (tokens per LM-head chunk), got {chunk!r}")
+  hidden_NxLxE, _ = model.hidden_states(ids_NxL, mask_NxL)
+  # The hidden state at column P-1+t predicts response token t.
+  logp_NxT, entropy_NxT = chunked_token_logprobs(
+      hidden_NxLxE[:, P - 1:P - 1 + T], model.head_weights(), response_ids_NxT,
+      temperature, chunk)
   keep_NxT = response_mask_NxT == 1
   return (jnp.where(keep_NxT, logp_NxT, 0.0),
           jnp.where(keep_NxT, entropy_NxT, 0.0))

@@ -4,10 +4,16 @@ Layers name their parameters' axes ("embed", "mlp", "heads", ...); only this
 file knows the mesh axes ("data", "fsdp", "tensor"). A logical axis whose mesh
 axes do not divide that dimension (e.g. 2 kv heads on a 4-way tensor axis), or
 whose mesh axis is already used by an earlier dimension, is replicated instead.
+
+Activations are named too ("activation_batch", "length", "activation_embed"):
+`constrain` pins them to the rules table inside `activation_sharding(mesh,
+rules)` and does nothing outside it, so a model runs unchanged without a mesh.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -19,7 +25,10 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 DEFAULT_RULES: tuple = (
     ("batch", ("data", "fsdp")),
-    ("length", None),
+    ("activation_batch", ("data", "fsdp")),  # rows of the residual stream
+    ("length", None),  # sequence positions of activations; a mesh axis here shards the sequence
+    ("activation_embed", None),  # hidden features of the residual stream
+    ("layers", None),  # the stacked decoder layers' leading axis (scanned, never split)
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
@@ -132,3 +141,33 @@ def create_sharded(make_model: Callable[[], nnx.Module], mesh: Mesh, rules=DEFAU
 def data_sharding(mesh: Mesh, rules=DEFAULT_RULES, ndim: int = 2) -> NamedSharding:
   """Sharding of a [batch, ...] array: batch over the rules' "batch" axes, the rest replicated."""
   return logical_sharding(mesh, rules, ("batch",) + (None,) * (ndim - 1))
+
+
+_ACTIVATION = threading.local()
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh | None, rules=DEFAULT_RULES):
+  """Within this context (entered while tracing), `constrain` pins activations to `rules` on `mesh`."""
+  previous = getattr(_ACTIVATION, "mesh_rules", None)
+  _ACTIVATION.mesh_rules = None if mesh is None else (mesh, rules)
+  try:
+    yield
+  finally:
+    _ACTIVATION.mesh_rules = previous
+
+
+def current_mesh_rules() -> tuple | None:
+  """`(mesh, rules)` inside `activation_sharding`, else None."""
+  return getattr(_ACTIVATION, "mesh_rules", None)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """`with_sharding_constraint` by logical axis names; `x` unchanged outside `activation_sharding`."""
+  mesh_rules = getattr(_ACTIVATION, "mesh_rules", None)
+  if mesh_rules is None:
+    return x
+  if len(logical_axes) != x.ndim:
+    raise ValueError(f"logical axes {tuple(logical_axes)} do not match the activation's shape {x.shape}")
+  mesh, rules = mesh_rules
+  return jax.lax.with_sharding_constraint(x, logical_sharding(mesh, rules, logical_axes, shape=x.shape))

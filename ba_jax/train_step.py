@@ -173,30 +173,46 @@ def _update(state: TrainState, mini: dict, *, graphdef, tx, cfg: StepConfig):
   return state, metrics
 
 
+def _stack_rows(x, parts: int):
+  """[N, ...] -> [parts, N // parts, ...], the rows still over the batch mesh axes."""
+  x = x.reshape(parts, x.shape[0] // parts, *x.shape[1:])
+  return sharding_lib.constrain(x, (None, "activation_batch") + (None,) * (x.ndim - 2))
+
+
 def train_step(state: TrainState, batch: dict, *, graphdef, tx,
-               cfg: StepConfig):
+               cfg: StepConfig, mesh_rules=None):
   """PPO epochs x mini-batches of updates on one batch of rollouts.
+
+  Both loops are ``lax.scan``s, so the compiled program holds one update
+  body whatever their lengths.
 
   Args:
     state: the TrainState (donated by the jitted wrapper).
     batch: ``prompt_ids``/``prompt_mask`` [N, P], ``response_ids``/
       ``response_mask`` [N, T], ``advantages`` [N], ``old_logp`` [N, T] and,
       when ``cfg.kl_coef > 0``, ``ref_logp`` [N, T]; rows group-major.
+    mesh_rules: ``(mesh, rules)`` to pin activations to (rows over the batch
+      mesh axes, see ``sharding.activation_sharding``); None leaves them to
+      the compiler.
   Returns:
     ``(state, metrics)``: metrics averaged over the updates, except
     ``nonfinite`` (summed) and ``*_max`` (max).
   """
+  with sharding_lib.activation_sharding(*(mesh_rules or (None,))):
+    return _train_step(state, batch, graphdef=graphdef, tx=tx, cfg=cfg)
+
+
+def _train_step(state: TrainState, batch: dict, *, graphdef, tx, cfg: StepConfig):
   n = batch["advantages"].shape[0]
   cfg.check_batch(n)
-  rows = n // cfg.num_minibatches
-  per_update = []
-  for _ in range(cfg.ppo_epochs):
-    for i in range(cfg.num_minibatches):
-      mini = jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch)
-      state, metrics = _update(state, mini, graphdef=graphdef, tx=tx, cfg=cfg)
-      per_update.append(metrics)
-  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_update)
-  out = {}
+  minis = jax.tree.map(lambda x: _stack_rows(x, cfg.num_minibatches), batch)
+  update = functools.partial(_update, graphdef=graphdef, tx=tx, cfg=cfg)
+
+  def epoch(state, _):
+    return jax.lax.scan(update, state, minis)
+
+  state, stacked = jax.lax.scan(epoch, state, None, length=cfg.ppo_epochs)
+  out = {}  # stacked metrics are [epochs, mini-batches]
   for name, values in stacked.items():
     if name == "nonfinite" or name.endswith("_sum"):
       out[name] = jnp.sum(values)
@@ -208,18 +224,18 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx,
       out[name] = jnp.mean(values)
   # W+/W- over the first epoch: the whole batch's weights as sampled (each
   # mini-batch's weights sum to at most 1, so the batch's are their mean).
-  first = slice(0, cfg.num_minibatches)
-  out["w_pos"] = jnp.mean(stacked["w_pos"][first])
-  out["w_neg"] = jnp.mean(stacked["w_neg"][first])
+  out["w_pos"] = jnp.mean(stacked["w_pos"][0])
+  out["w_neg"] = jnp.mean(stacked["w_neg"][0])
   out["param_norm"] = optax.global_norm(state.params)
   return state.replace(step=state.step + 1), out
 
 
 def jit_train_step(*, graphdef, tx, cfg: StepConfig, state_sharding=None,
-                   batch_sharding=None):
+                   batch_sharding=None, mesh=None, rules=None):
   """``train_step`` jitted with the statics bound, shardings set and the
-  state donated."""
-  fn = functools.partial(train_step, graphdef=graphdef, tx=tx, cfg=cfg)
+  state donated; with ``mesh``, activations are pinned by ``rules``."""
+  mesh_rules = None if mesh is None else (mesh, rules or sharding_lib.DEFAULT_RULES)
+  fn = functools.partial(train_step, graphdef=graphdef, tx=tx, cfg=cfg, mesh_rules=mesh_rules)
   kwargs = {}
   if state_sharding is not None:
     kwargs = dict(in_shardings=(state_sharding, batch_sharding),

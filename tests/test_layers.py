@@ -16,9 +16,10 @@ PACKAGE = ROOT / "ba_jax"
 LAYERS = (
     ("sandboxed child processes", ("sandbox_launcher", "sandbox_harness")),
     ("the path layer", ("paths",)),
+    ("mesh and logical axes", ("sharding",)),
     ("the loss", ("aggregation", "advantages", "losses", "microbatch")),
-    ("the policy", ("attention", "model", "sharding", "hf", "scoring",
-                    "sampler")),
+    ("the policy", ("attention", "kv_cache", "model", "hf",
+                    "scoring", "draw", "decoding", "engine", "sampler")),
     ("the update", ("train_step",)),
     ("data, rewards, tasks", ("sandbox", "reward_pool", "rewards", "data",
                               "code_data", "synthetic", "chains",

@@ -1,5 +1,7 @@
 """Our decoder is `transformers`' function: logits, gradients, KV cache, dtypes, config."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,9 +56,7 @@ def test_gradients_match_transformers(checkpoints, kind):
   grads = nnx.to_pure_dict(nnx.grad(loss)(model))
   hf_grads = {n: p.grad.numpy() for n, p in hf_model.named_parameters()}
   for spec in hf.weight_specs(config):
-    g = grads
-    for key in spec.path:
-      g = g[key]
+    g = spec.lookup(grads)
     ref = hf_grads[spec.hf_name]
     scale = max(np.abs(ref).max(), 1.0)
     np.testing.assert_allclose(spec.to_hf(np.asarray(g)), ref, atol=1e-4 * scale, rtol=0,
@@ -109,19 +109,35 @@ def test_cache_overflow_is_an_error(checkpoints):
     model(np.ones((1, 5), np.int32), cache=init_cache(config, 1, 4))
 
 
-def test_remat_gives_same_logits_and_gradients(checkpoints):
+@pytest.mark.parametrize("remat", [True, "dots_with_no_batch_dims_saveable"])
+def test_remat_gives_same_logits_and_gradients(checkpoints, remat):
   ids, mask = left_padded_batch(seed=6, batch=2, length=8)
   plain, _ = hf.load_pretrained(checkpoints["qwen2"])
-  remat, config = hf.load_pretrained(checkpoints["qwen2"], remat=True)
-  assert config.remat
+  rematted, config = hf.load_pretrained(checkpoints["qwen2"], remat=remat)
+  assert config.remat == ("full" if remat is True else remat)
 
   def loss(m):
     return jnp.sum(jax.nn.log_softmax(m(ids, mask))[..., 5] * mask)
 
   g_plain = nnx.grad(loss)(plain)
-  g_remat = nnx.jit(nnx.grad(loss))(remat)
+  g_remat = nnx.jit(nnx.grad(loss))(rematted)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), nnx.to_pure_dict(g_plain),
                nnx.to_pure_dict(g_remat))
+
+
+def test_remat_policy_sets_what_the_scanned_backward_keeps():
+  """Under the layer scan the saved residuals are explicit, so XLA's temporaries follow the policy."""
+  base = ModelConfig("qwen3", vocab_size=64, hidden_size=64, intermediate_size=256, num_layers=4, num_heads=4,
+                     num_kv_heads=2, head_dim=16, qk_norm=True)
+  ids = jnp.ones((4, 128), jnp.int32)
+  temp = {}
+  for policy in ("none", "dots_with_no_batch_dims_saveable", "full"):
+    graphdef, params = nnx.split(Decoder(dataclasses.replace(base, remat=policy), rngs=nnx.Rngs(0)))
+    grad = jax.jit(jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p)(ids)[..., 0])))
+    temp[policy] = grad.lower(params).compile().memory_analysis().temp_size_in_bytes
+  assert temp["full"] < temp["dots_with_no_batch_dims_saveable"] < temp["none"], temp
+  with pytest.raises(ValueError, match="remat='some'"):
+    dataclasses.replace(base, remat="some")
 
 
 def test_bfloat16_params_and_compute(checkpoints):
@@ -146,7 +162,11 @@ def test_random_init_and_every_param_has_logical_axes():
   known = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm"}
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     axes = var.get_metadata()["out_sharding"]
-    assert len(axes) == var[...].ndim and set(axes) <= known, (path, axes)
+    assert len(axes) == var[...].ndim and set(axes) <= known | {"layers"}, (path, axes)
+    # The decoder layers are one stack: a leading "layers" axis of num_layers, and only there.
+    stacked = path[0] == "layers"
+    assert (axes[0] == "layers") == stacked and axes.count("layers") == int(stacked), (path, axes)
+    assert not stacked or var[...].shape[0] == config.num_layers, (path, var[...].shape)
   logits = model(np.zeros((2, 3), np.int32))
   assert logits.shape == (2, 3, 64) and np.isfinite(np.asarray(logits)).all()
 

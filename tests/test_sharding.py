@@ -66,8 +66,8 @@ def test_sharded_load_gives_same_logits_and_gradients(checkpoint, mesh_shape):
   single, config = hf.load_pretrained(checkpoint)
   sharded, _ = hf.load_pretrained(checkpoint, mesh=mesh, rules=sh.DEFAULT_RULES)
 
-  q = sharded.layers[0].self_attn.q_proj[...]
-  expected = sh.logical_to_spec(mesh, sh.DEFAULT_RULES, ("embed", "heads", "head_dim"), q.shape)
+  q = sharded.layers.self_attn.q_proj[...]  # stacked: [layers, embed, heads, head_dim]
+  expected = sh.logical_to_spec(mesh, sh.DEFAULT_RULES, ("layers", "embed", "heads", "head_dim"), q.shape)
   assert q.sharding.spec == expected and len(q.sharding.device_set) == 8
   if mesh_shape["fsdp"] == 8:  # every device holds 1/8 of the embedding matrix, none the whole
     emb = sharded.embed_tokens[...]
@@ -105,9 +105,9 @@ def test_create_sharded_and_shard_model():
   made = sh.create_sharded(lambda: Decoder(config, rngs=nnx.Rngs(3)), mesh)
   moved = sh.shard_model(Decoder(config, rngs=nnx.Rngs(3)), mesh)
   for model in (made, moved):
-    up = model.layers[1].mlp.up_proj[...]
-    assert up.sharding.spec == P("fsdp", "tensor")
-    assert {s.data.shape for s in up.addressable_shards} == {(8, 32)}
+    up = model.layers.mlp.up_proj[...]  # [layers, embed, mlp]; the layer axis is never split
+    assert up.sharding.spec == P(None, "fsdp", "tensor")
+    assert {s.data.shape for s in up.addressable_shards} == {(2, 8, 32)}
   # same random draws; jit may fuse the 0.02 scaling differently (1 ulp)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0),
                nnx.to_pure_dict(nnx.state(made)), nnx.to_pure_dict(nnx.state(moved)))

@@ -1,0 +1,319 @@
+"""Continuous-batching engine vs the static sampler vs transformers generate, one process.
+
+    python experiments/bench_engine.py             # the issue's settings (~20 min on 2 cores)
+    python experiments/bench_engine.py --quick     # a smoke run, tiny model
+
+Writes experiments/results/engine_bench.md (or --output). Model: Qwen3-style,
+float32, vocab 32000, hidden 512, 8 layers (8 heads, 4 kv heads, head_dim 64,
+MLP 1536, tied embeddings: ~41M parameters), random weights.
+
+(a) RL-like length skew: 16 prompts x G=8 = 128 rows, 32-token prompts, a
+    budget of 512. Random weights never emit EOS, so row lengths are FORCED:
+    each row gets its own budget (`sample_groups(row_budgets=...)`, a benchmark
+    schedule, not the model's choice): geometric with median budget/8, and 4
+    rows at the full budget. Engine (`max_slots=M`) vs the static sampler at
+    equal KV-cache memory: M rows per call, the calls one after another. Then
+    the same with every row at the budget.
+(b) Uniform: 16 x 8 rows, 32-token prompts, 256 new tokens, T=1 and greedy:
+    `sample_groups` (all rows at once), the engine with 128 slots, and
+    transformers `generate` on the same weights.
+Then one decode step (128 rows) taken apart: draw, cache write, attention, LM head.
+"""
+import argparse
+import functools
+import os
+import pathlib
+import platform
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from flax import nnx
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from ba_jax import engine, hf, kv_cache, sampler
+
+EOS_ID, PAD_ID = 1, 0
+FULL = dict(vocab=32000, hidden=512, mlp=1536, layers=8, heads=8, kv_heads=4, head_dim=64,
+            prompts=16, group=8, prompt_len=32, budget=512, slots=32, uniform_new=256)
+QUICK = dict(vocab=2048, hidden=128, mlp=256, layers=2, heads=4, kv_heads=2, head_dim=32,
+             prompts=4, group=4, prompt_len=16, budget=64, slots=8, uniform_new=32)
+
+
+def _timed(fn):
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  return time.perf_counter() - start, out
+
+
+def skewed_budgets(rows, budget, seed=0, full_rows=4):
+  """Geometric lengths with median budget/8 (clipped to the budget); `full_rows` at the budget."""
+  rng = np.random.default_rng(seed)
+  p = 1 - 2 ** (-1 / (budget / 8))
+  lengths = np.minimum(rng.geometric(p, rows), budget)
+  lengths[rng.choice(rows, full_rows, replace=False)] = budget
+  return lengths.astype(np.int32)
+
+
+def part_a(model, s, ids, mask, lines):
+  G, T, M = s["group"], s["budget"], s["slots"]
+  B = ids.shape[0]
+  per_call = M // G  # prompts per static call: the same KV-cache rows as the engine
+  kw = dict(group_size=G, max_new_tokens=T, temperature=1.0, eos_id=EOS_ID, pad_id=PAD_ID)
+
+  def static(budgets, key):
+    outs = [sampler.sample_groups(model, ids[i:i + per_call], mask[i:i + per_call], **kw,
+                                  rng=jax.random.fold_in(jax.random.key(key), i),
+                                  row_budgets=budgets[i * G:(i + per_call) * G])
+            for i in range(0, B, per_call)]
+    return outs
+
+  def eng(budgets, key):
+    return sampler.sample_groups(model, ids, mask, **kw, rng=jax.random.key(key), max_slots=M,
+                                 row_budgets=budgets)
+
+  rows = []
+  for name, budgets in (("skewed", skewed_budgets(B * G, T)),
+                        ("all to budget", np.full(B * G, T, np.int32))):
+    tokens = int(budgets.sum())
+    for system, fn in (("static, %d rows per call" % M, static), ("engine, %d slots" % M, eng)):
+      compile_s, _ = _timed(lambda: fn(np.minimum(budgets, 2), 0))  # compile, short run
+      seconds, out = _timed(lambda: fn(budgets, 1))
+      outs = out if isinstance(out, list) else [out]
+      got = sum(int(np.asarray(o.lengths).sum()) for o in outs)
+      # A row may also draw EOS by chance (p = 1/vocab per token): count what was generated.
+      stopped = sum(int((~np.asarray(o.truncated)).sum()) for o in outs)
+      rows.append((name, system, got, seconds, got / seconds, stopped))
+      print(rows[-1], flush=True)
+  cache_mib = kv_cache.cache_bytes(model.config, M, s["prompt_len"] - 1 + T) / 2**20
+  q = np.quantile(skewed_budgets(B * G, T), [0.5, 0.9, 1.0])
+  lines += [
+      "## (a) Length-skewed workload at equal KV-cache memory",
+      "",
+      f"{B} prompts x G={G} = {B * G} rows, {s['prompt_len']}-token prompts, budget {T},"
+      f" T=1.0. Both hold a KV cache of {M} rows x {s['prompt_len'] - 1 + T} positions"
+      f" ({cache_mib:.0f} MiB): the engine as {M} slots, the static sampler by sampling"
+      f" {M // G} prompts per call, {B // (M // G)} calls in turn. **Lengths are forced** by"
+      " per-row budgets (`row_budgets`), since random weights do not stop by themselves:"
+      f" skewed = geometric (median {q[0]:.0f}, 90th percentile {q[1]:.0f}) with 4 rows at"
+      f" {T}; then every row at {T}.",
+      "",
+      "| workload | system | tokens | rows that drew EOS by chance | s | tok/s | engine / static |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  for i, (name, system, tokens, seconds, tps, stopped) in enumerate(rows):
+    ratio = f"{tps / rows[i - 1][4]:.2f}x" if i % 2 else ""
+    lines.append(f"| {name} | {system} | {tokens} | {stopped} | {seconds:.1f} | {tps:.0f} | {ratio} |")
+  lines.append("")
+
+
+def part_b(ours, theirs, s, lines):
+  B, G, P, T = s["prompts"], s["group"], s["prompt_len"], s["uniform_new"]
+  rng = np.random.default_rng(1)
+  ids = rng.integers(3, s["vocab"], size=(B, P)).astype(np.int32)
+  mask = np.ones_like(ids)
+  graphdef, state = nnx.split(ours)
+
+  def static(temperature, key):
+    return sampler.sample_groups(ours, ids, mask, group_size=G, max_new_tokens=T,
+                                 temperature=temperature, eos_id=EOS_ID, pad_id=PAD_ID,
+                                 rng=jax.random.key(key))
+
+  def eng(temperature, key):  # the engine itself, every row in its own slot
+    greedy = temperature == 0
+    cfg = engine.EngineConfig(sampler._LoopConfig(G, T, PAD_ID, greedy, 0, 1.0), B * G)  # pylint: disable=protected-access
+    return engine.engine_jit(graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
+                             jax.random.key(key), jnp.float32(1.0 if greedy else temperature),
+                             jnp.full((4,), EOS_ID, jnp.int32), cfg=cfg, mesh_rules=None)
+
+  def hf_gen(temperature, max_new=T):
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if temperature else dict(
+        do_sample=False)
+    with torch.no_grad():
+      out = theirs.generate(input_ids=torch.as_tensor(np.repeat(ids, G, 0), dtype=torch.long),
+                            attention_mask=torch.as_tensor(np.repeat(mask, G, 0), dtype=torch.long),
+                            max_new_tokens=max_new, eos_token_id=EOS_ID, pad_token_id=PAD_ID, **kw)
+    return out[:, P:].numpy()
+
+  rows = []
+  for mode, temperature in (("sample, T=1.0", 1.0), ("greedy", 0.0)):
+    result = {}
+    for system, fn in (("sample_groups", static), ("engine", eng)):
+      fn(temperature, 0).lengths.block_until_ready()
+      seconds, out = _timed(lambda: fn(temperature, 1))
+      result[system] = int(np.asarray(out.lengths).sum()) / seconds
+      print(mode, system, result[system], flush=True)
+    hf_gen(temperature, max_new=2)
+    seconds, out = _timed(lambda: hf_gen(temperature))
+    result["transformers"] = out.size / seconds  # no EOS: every row runs to T
+    print(mode, "transformers", result["transformers"], flush=True)
+    rows.append((mode, result))
+  lines += [
+      "## (b) Uniform workload vs transformers `generate`",
+      "",
+      f"{B} prompts x G={G} = {B * G} rows, {P}-token prompts, {T} new tokens (no row stops),"
+      " run one after another in this process. transformers: `generate(do_sample=True,"
+      " temperature=1.0, top_k=0, top_p=1.0)` / `generate(do_sample=False)` on the prompts"
+      " repeated G times.",
+      "",
+      f"| mode | sample_groups tok/s | engine ({B * G} slots) tok/s | transformers tok/s |"
+      " sample_groups / transformers | engine / transformers |",
+      "|---|---|---|---|---|---|",
+  ]
+  for mode, r in rows:
+    lines.append(f"| {mode} | {r['sample_groups']:.0f} | {r['engine']:.0f} | {r['transformers']:.0f}"
+                 f" | {r['sample_groups'] / r['transformers']:.2f}x |"
+                 f" {r['engine'] / r['transformers']:.2f}x |")
+  lines.append("")
+
+
+def _ms(fn, *args, repeats=5):
+  f = jax.jit(fn)
+  jax.block_until_ready(f(*args))
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    best = min(best, time.perf_counter() - start)
+  return 1e3 * best
+
+
+def profile_step(model, s, lines):
+  """One decode step of 128 rows with a half-full cache, and its parts (jitted, best of 5)."""
+  c = model.config
+  N, S = s["prompts"] * s["group"], s["prompt_len"] + s["uniform_new"] - 1
+  keys = jax.random.split(jax.random.key(0), 6)
+  logits = 3 * jax.random.normal(keys[0], (N, c.vocab_size))
+  cache = kv_cache.init_cache(c, N, S, per_row=True)
+  cache = cache.replace(mask=cache.mask.at[:, :S // 2].set(1),
+                        index=jnp.full((N,), S // 2, jnp.int32))
+  shared = cache.replace(index=jnp.int32(S // 2))
+  tok = jnp.full((N, 1), 5, jnp.int32)
+  graphdef, state = nnx.split(model)
+
+  steps = 8  # parts that update the cache run this many times in a loop, so it is updated in place
+
+  def step(state, cache):
+    def one(_, carry):
+      cache, total = carry
+      logits, cache = nnx.merge(graphdef, state)(tok, cache=cache)
+      return cache, total + jnp.sum(logits)  # use the logits, so the LM head stays
+    return jax.lax.fori_loop(0, steps, one, (cache, 0.0))
+
+  def cache_write(k, new, index):
+    def one(_, carry):
+      k, v, index = carry
+      k, v = kv_cache.write_kv(k, v, new, new, index)
+      return k, v, index + 1
+    return jax.lax.fori_loop(0, steps, one, (k, k, index))
+
+  old_draw = lambda l, k: jax.random.categorical(k, l, axis=-1)
+
+  def old_icdf(l, k):  # the sampler before this change: one full-vocabulary cumsum
+    p = jnp.exp(l - l.max(-1, keepdims=True))
+    cdf = jnp.cumsum(p, -1)
+    u = jax.random.uniform(k, (N,)) * cdf[:, -1]
+    return jnp.sum(cdf <= u[:, None], -1)
+
+  rows_N = jnp.arange(N)
+  new_kv = jax.random.normal(keys[1], (N, 1, c.num_kv_heads, c.head_dim))
+  q = jax.random.normal(keys[2], (N, 1, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim))
+  x = jax.random.normal(keys[3], (N, 1, c.hidden_size))
+  head = jax.random.normal(keys[4], (c.hidden_size, c.vocab_size))
+
+  def attention(q, k, v, allowed):
+    scores = jnp.einsum("blkgd,bksd->bkgls", q, k) * c.head_dim ** -0.5
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bkgls,bksd->blkgd", jax.nn.softmax(scores, -1), v)
+
+  allowed = jnp.ones((N, 1, S), bool)
+  parts = [
+      ("whole decode step (model only), per-row cache index (engine)", step, state, cache),
+      ("whole decode step (model only), shared cache index (static)", step, state, shared),
+      ("draw, inverse CDF (ours now: two-level, triangular-matmul cumsum)",
+       lambda l, k: sampler.draw_tokens(l, None, uniforms_N=sampler.row_uniforms(k, rows_N, rows_N))[0],
+       logits, keys[5]),
+      ("draw, inverse CDF (before: one 32k cumsum)", old_icdf, logits, keys[5]),
+      ("draw, jax.random.categorical", old_draw, logits, keys[5]),
+      ("greedy, ours now (block argmax) + log-prob",
+       lambda l: sampler.draw_tokens(l, None, greedy=True), logits),
+      ("greedy, jnp.argmax", lambda l: jnp.argmax(l, -1), logits),
+      ("cache write x 2 (k, v), one layer, per-row index", cache_write, cache.k[0], new_kv,
+       cache.index),
+      ("cache write x 2 (k, v), one layer, shared index", cache_write, cache.k[0], new_kv,
+       shared.index),
+      ("attention over the cache, one layer", attention, q, cache.k[0], cache.v[0], allowed),
+      ("LM head matmul [rows, hidden] x [hidden, vocab]", lambda x, h: x @ h, x, head),
+  ]
+  lines += [
+      f"## One decode step taken apart ({N} rows, cache {S} positions, half full)",
+      "",
+      "| part | ms |",
+      "|---|---|",
+  ]
+  for name, fn, *args in parts:
+    ms = _ms(fn, *args) / (steps if fn in (step, cache_write) else 1)
+    lines.append(f"| {name} | {ms:.2f} |")
+    print(name, ms, flush=True)
+  lines.append(f"\n({c.num_layers} layers: attention and the cache write run once per layer. The"
+               f" model step and the cache writes are timed over {steps} steps in a `fori_loop`,"
+               " where the cache is updated in place, and divided by the steps.)\n")
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--parts", default="abp", help="a: skewed, b: uniform, p: step profile")
+  parser.add_argument("--budget", type=int, default=0, help="(a)'s budget (default 512)")
+  parser.add_argument("--uniform_new", type=int, default=0, help="(b)'s new tokens (default 256)")
+  parser.add_argument("--output", default=str(pathlib.Path(__file__).parent / "results" / "engine_bench.md"))
+  args = parser.parse_args()
+  s = dict(QUICK if args.quick else FULL)
+  s["budget"] = args.budget or s["budget"]
+  s["uniform_new"] = args.uniform_new or s["uniform_new"]
+  flags = "".join(f" --{k}={v}" for k, v in (("parts", args.parts), ("budget", args.budget),
+                                               ("uniform_new", args.uniform_new)) if v and v != "abp")
+  torch.manual_seed(0)
+  hf_config = Qwen3Config(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["mlp"],
+                          num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                          num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
+                          max_position_embeddings=4096, tie_word_embeddings=True,
+                          eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=2)
+  theirs = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+  n_params = sum(p.numel() for p in theirs.parameters())
+  with tempfile.TemporaryDirectory() as tmp:
+    theirs.save_pretrained(tmp)
+    ours, _ = hf.load_pretrained(tmp)
+  rng = np.random.default_rng(0)
+  ids = rng.integers(3, s["vocab"], size=(s["prompts"], s["prompt_len"])).astype(np.int32)
+  lines = [
+      "# Rollout engine throughput",
+      "",
+      f"Produced by `python experiments/bench_engine.py{' --quick' if args.quick else ''}{flags}`"
+      f" on {time.strftime('%Y-%m-%d')}.",
+      f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__}"
+      f" ({jax.default_backend()}), torch {torch.__version__} ({torch.get_num_threads()} threads)."
+      " **Taken on a loaded 2-core machine** (other engineers' jobs shared the cores), so"
+      " absolute figures are rough; each ratio compares systems run one after another in"
+      " this process.",
+      "",
+      f"Model: Qwen3-style, float32, {n_params / 1e6:.1f}M parameters (vocab {s['vocab']},"
+      f" hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} kv"
+      f" heads, MLP {s['mlp']}, tied embeddings), random weights, the same in both libraries.",
+      "",
+  ]
+  pathlib.Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+  for part, run in (("a", lambda: part_a(ours, s, ids, np.ones_like(ids), lines)),
+                    ("b", lambda: part_b(ours, theirs, s, lines)),
+                    ("p", lambda: profile_step(ours, s, lines))):
+    if part in args.parts:
+      run()
+      pathlib.Path(args.output).write_text("\n".join(lines) + "\n")  # after each part
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()
