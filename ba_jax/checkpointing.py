@@ -134,6 +134,7 @@ class Checkpointer:
     steps = sorted(self.all_steps(), reverse=True)
     if not steps:
       raise FileNotFoundError(f"no checkpoint under {self.directory}")
+    _quiet_late_tensorstore_callbacks()  # before: some fire during a restore
     problems = []
     for i, step in enumerate(steps):
       problem = self.check_files(step)
@@ -147,7 +148,6 @@ class Checkpointer:
         state = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state)))["state"]
       except Exception as e:  # orbax/tensorstore raise many kinds
-        _quiet_late_tensorstore_callbacks()
         problem = (f"step {step} ({problem[0]}: {problem[1]})" if problem
                    else f"step {step} ({item}: {first_line(e)})")
         problems.append(problem)
