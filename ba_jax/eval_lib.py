@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from typing import Callable, Sequence
 
@@ -168,35 +167,38 @@ def markdown_table(results: dict) -> str:
 
 
 def write_results(results: dict, output_dir: str) -> tuple[str, str]:
-  """Writes results.json (with every sample) and results.md (the table)."""
-  os.makedirs(output_dir, exist_ok=True)
-  json_path = os.path.join(output_dir, "results.json")
-  md_path = os.path.join(output_dir, "results.md")
-  with open(json_path, "w") as f:
-    json.dump(results, f, indent=1)
-  with open(md_path, "w") as f:
-    f.write(markdown_table(results))
-  return json_path, md_path
+  """Writes results.json (with every sample) and results.md (the table); `output_dir` may be
+  a URL (`ba_jax.paths`)."""
+  from ba_jax import paths
+  json_path = paths.path(output_dir) / "results.json"
+  md_path = paths.path(output_dir) / "results.md"
+  paths.write_json(json_path, results)
+  paths.write_text(md_path, markdown_table(results))
+  return str(json_path), str(md_path)
 
 
 # ----------------------------------------------------------------------------- model side
 
 
 def load_policy(model_path: str, *, step: int | None = None, dtype: str = "float32"):
-  """(model, model_config, tokenizer) from a Hugging Face directory or a trainer workdir."""
-  if os.path.isfile(os.path.join(model_path, "config.json")):
+  """(model, model_config, tokenizer) from a trainer workdir or a Hugging Face directory
+  (either may be a URL such as gs://..., read through `ba_jax.paths`)."""
+  from ba_jax import paths, run_setup
+  # A workdir first: it also holds a config.json (the run's), which is not a HF config.
+  if run_setup.is_workdir(model_path):
+    model, config, tokenizer = run_setup.restore_policy(model_path, step=step)
+    if tokenizer is None:
+      raise ValueError(f"{model_path}: the trainer workdir holds no tokenizer; export it "
+                       "with `python -m ba_jax.export` and evaluate the exported directory")
+    return model, config, tokenizer
+  if (paths.path(model_path) / "config.json").is_file():
     from transformers import AutoTokenizer
     from ba_jax import hf
-    model, config = hf.load_pretrained(model_path, dtype=dtype)
-    return model, config, AutoTokenizer.from_pretrained(model_path)
-  from ba_jax.run_setup import restore_policy
-  if not os.path.isdir(model_path):
-    raise ValueError(f"--model={model_path!r} is neither a Hugging Face directory nor a workdir")
-  model, config, tokenizer = restore_policy(model_path, step=step)
-  if tokenizer is None:
-    raise ValueError(f"{model_path}: the trainer workdir holds no tokenizer; export it "
-                     "with `python -m ba_jax.export` and evaluate the exported directory")
-  return model, config, tokenizer
+    local = paths.local(model_path)
+    model, config = hf.load_pretrained(local, dtype=dtype)
+    return model, config, AutoTokenizer.from_pretrained(local)
+  raise ValueError(f"--model={model_path!r} is neither a Hugging Face directory (config.json) "
+                   "nor a trainer workdir (model_config.json and checkpoints/)")
 
 
 def _stop_ids(tokenizer, config) -> tuple[int, ...]:
@@ -270,6 +272,7 @@ def run_evaluation(model_path: str, benchmarks: Sequence[str], data_dir: str, ou
                    step: int | None = None, num_workers: int = 2,
                    limit: int | None = None) -> dict:
   """Loads the policy and the benchmarks, evaluates, writes results.json and results.md."""
+  from ba_jax import paths
   sets = {}
   for benchmark in benchmarks:
     name, examples = load_benchmark(benchmark, data_dir)
@@ -281,7 +284,7 @@ def run_evaluation(model_path: str, benchmarks: Sequence[str], data_dir: str, ou
                               add_special_tokens=settings.template != "chat")
   with rewards.RewardPool(num_workers=num_workers, timeout_s=settings.grader_timeout_s) as pool:
     results = evaluate_benchmarks(generate, sets, settings, tokenizer=tokenizer, pool=pool)
-  results["model"] = os.path.abspath(model_path)
+  results["model"] = str(paths.path(model_path))
   results["sampling"] = {"max_new_tokens": max_new_tokens, "temperature": temperature,
                          "top_p": top_p, "top_k": top_k, "seed": seed}
   write_results(results, output_dir)

@@ -2,8 +2,12 @@
 
 Writes the newest (or ``--step``) policy of a training workdir as a Hugging
 Face directory (config.json, safetensors, tokenizer) that ``transformers``
-loads.
+loads. A damaged newest checkpoint is named in a one-line warning and the
+newest intact one is exported; with none intact the command exits 2 with one
+line. Both directories may be URLs (``gs://...``, through ``etils.epath``).
 """
+import sys
+
 from absl import app, flags, logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training workdir",
@@ -15,9 +19,10 @@ _STEP = flags.DEFINE_integer("step", None, "checkpoint step (default newest)")
 
 def export(workdir: str, output_dir: str, step: int | None = None) -> str:
   """Exports the policy in ``workdir`` to ``output_dir``; returns the path."""
-  from ba_jax import hf, run_setup
+  from ba_jax import hf, paths, run_setup
   model, model_config, tokenizer = run_setup.restore_policy(workdir, step)
-  hf.save_pretrained(model, model_config, output_dir, tokenizer=tokenizer)
+  with paths.output_dir(output_dir) as local:
+    hf.save_pretrained(model, model_config, local, tokenizer=tokenizer)
   return output_dir
 
 
@@ -25,7 +30,12 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
-  path = export(_WORKDIR.value, _OUTPUT.value, _STEP.value)
+  from ba_jax import checkpointing
+  try:
+    path = export(_WORKDIR.value, _OUTPUT.value, _STEP.value)
+  except (checkpointing.NoIntactCheckpoint, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
   print(f"exported {_WORKDIR.value} to {path}")
 
 

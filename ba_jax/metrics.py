@@ -7,9 +7,9 @@ for the device just to log.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 import sys
 from typing import Any
 
@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from ba_jax import aggregation as agg
+from ba_jax import paths
 
 
 def rollout_stats(rewards_N, correct_N, advantages_N, mask_NxT, truncated_N,
@@ -55,6 +56,43 @@ def weight_shares(device_metrics: dict[str, float]) -> dict[str, float]:
       device_metrics["w_pos"], device_metrics["w_neg"], np))}
 
 
+class _EventFile:
+  """A TensorBoard event file at a URL, through ``ba_jax.paths``: object
+  stores cannot append, so the buffered file is rewritten whole at each
+  flush (tensorboardX flushes every couple of minutes)."""
+
+  def __init__(self, url: str):
+    self.path, self.buffer = paths.path(url), io.BytesIO()
+
+  def write(self, data: bytes) -> None:
+    self.buffer.write(data)
+
+  def flush(self) -> None:
+    self.path.write_bytes(self.buffer.getvalue())
+
+  def close(self) -> None:
+    self.flush()
+
+
+class _EventFiles:
+  """tensorboardX's writer factory for a URL scheme (its own gs:// one
+  needs google-cloud-storage and credentials of its own)."""
+
+  def open(self, url: str) -> _EventFile:
+    return _EventFile(url)
+
+  def directory_check(self, url: str) -> None:
+    paths.path(url).mkdir(parents=True, exist_ok=True)
+
+
+def _route_event_files(root) -> None:
+  """Sends tensorboardX's files for ``root``'s URL scheme through epath."""
+  if paths.is_remote(root):
+    from tensorboardX import record_writer
+    record_writer.register_writer_factory(str(root).split(":")[0],
+                                          _EventFiles())
+
+
 def _jsonable(value: float) -> Any:
   return value if math.isfinite(value) else None
 
@@ -71,11 +109,16 @@ class MetricsLogger:
     self._tb = self._bar = None
     if not enabled:
       return
-    os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    root = paths.path(workdir)
+    self._jsonl = paths.JsonlFile(root / "metrics.jsonl")
+    self._eval = paths.JsonlFile(root / "eval.jsonl")
     if tensorboard:
+      # purge_step: TensorBoard drops the events a resumed run replays after
+      # its checkpoint.
       import tensorboardX
-      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
+      _route_event_files(root)
+      self._tb = tensorboardX.SummaryWriter(
+          str(root / "tb"), purge_step=first_step + 1 if first_step else None)
     if progress_bar:
       import tqdm
       self._bar = tqdm.tqdm(total=total_steps, initial=first_step,
@@ -106,10 +149,8 @@ class MetricsLogger:
     if not self.enabled:
       return
     step = record["step"]
-    self._jsonl.write(json.dumps(
-        {k: _jsonable(v) if isinstance(v, float) else v
-         for k, v in record.items()}) + "\n")
-    self._jsonl.flush()
+    self._jsonl.add({k: _jsonable(v) if isinstance(v, float) else v
+                     for k, v in record.items()})
     if self._tb is not None:
       for name, value in record.items():
         if (isinstance(value, (int, float)) and name != "step"
@@ -129,8 +170,7 @@ class MetricsLogger:
     TensorBoard."""
     if not self.enabled or not accuracy:
       return
-    with open(os.path.join(self.workdir, "eval.jsonl"), "a") as f:
-      f.write(json.dumps({"step": step, **accuracy}) + "\n")
+    self._eval.add({"step": step, **accuracy})
     if self._tb is not None:
       for name, value in accuracy.items():
         self._tb.add_scalar(f"eval/{name}", value, step)
@@ -147,7 +187,6 @@ class MetricsLogger:
     self.flush()
     if not self.enabled:
       return
-    self._jsonl.close()
     if self._tb is not None:
       self._tb.close()
     if self._bar is not None:
@@ -158,9 +197,11 @@ def read_metrics(workdir: str) -> dict[int, dict]:
   """The last record per step of ``workdir/metrics.jsonl`` (a resumed run
   rewrites the steps after its checkpoint)."""
   out: dict[int, dict] = {}
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    for line in f:
-      record = json.loads(line)
-      if "step" in record and isinstance(record["step"], int):
-        out[record["step"]] = record
+  for line in paths.read_text(paths.path(workdir) / "metrics.jsonl").split(
+      "\n"):
+    if not line.strip():
+      continue
+    record = json.loads(line)
+    if "step" in record and isinstance(record["step"], int):
+      out[record["step"]] = record
   return out

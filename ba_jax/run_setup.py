@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
+import math
 from typing import Collection
 
 import jax
@@ -25,7 +25,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from ba_jax import checkpointing, hf, rollout, tasks
+from ba_jax import checkpointing, hf, paths, rollout, tasks
 from ba_jax import model as model_lib
 from ba_jax import sharding as sharding_lib
 from ba_jax import train_step as ts
@@ -75,17 +75,91 @@ def make_mesh(config, devices=None) -> jax.sharding.Mesh:
                      "devices") from None
 
 
+def _finite(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and (
+      math.isfinite(x))
+
+
+# (dotted key, test, what is expected): every numeric range and relation
+# checked before anything runs. None passes for optional keys.
+_RANGES = (
+    ("seed", lambda x: isinstance(x, int) and x >= 0, "an int >= 0"),
+    ("rl.steps", lambda x: x >= 0, ">= 0"),
+    ("rl.prompts_per_step", lambda x: x >= 1, ">= 1"),
+    ("rl.group_size", lambda x: x >= 2,
+     ">= 2 (with one response per prompt every group advantage is 0)"),
+    ("rl.max_new_tokens", lambda x: x >= 1, ">= 1"),
+    ("rl.temperature", lambda x: _finite(x) and x > 0, "finite and > 0"),
+    ("rl.top_p", lambda x: _finite(x) and 0 < x <= 1, "in (0, 1]"),
+    ("rl.top_k", lambda x: x >= 0, ">= 0 (0 = off)"),
+    ("rl.ppo_epochs", lambda x: x >= 1, ">= 1"),
+    ("rl.num_minibatches", lambda x: x >= 1, ">= 1"),
+    ("rl.num_microbatches", lambda x: x >= 1, ">= 1"),
+    ("rl.max_sampling_rounds", lambda x: x >= 0, ">= 0"),
+    ("rl.overlong_buffer", lambda x: x >= 0, ">= 0"),
+    ("rl.overlong_penalty", lambda x: _finite(x) and x >= 0,
+     "finite and >= 0"),
+    ("rl.max_nonfinite", lambda x: x >= 1, ">= 1"),
+    ("loss.eps_low", lambda x: _finite(x) and 0 <= x < 1, "in [0, 1)"),
+    ("loss.eps_high", lambda x: _finite(x) and x >= 0, "finite and >= 0"),
+    ("loss.dual_clip", lambda x: x is None or (_finite(x) and x > 1),
+     "None or > 1"),
+    ("loss.kl_coef", lambda x: _finite(x) and x >= 0, "finite and >= 0"),
+    ("loss.entropy_coef", _finite, "finite"),
+    ("loss.max_response_len", lambda x: x is None or x >= 1, "None or >= 1"),
+    ("optim.learning_rate", lambda x: _finite(x) and x > 0, "finite and > 0"),
+    ("optim.warmup_steps", lambda x: x >= 0, ">= 0"),
+    ("optim.end_lr_frac", lambda x: _finite(x) and 0 <= x <= 1, "in [0, 1]"),
+    ("optim.weight_decay", lambda x: _finite(x) and x >= 0,
+     "finite and >= 0"),
+    ("optim.b1", lambda x: _finite(x) and 0 <= x < 1, "in [0, 1)"),
+    ("optim.b2", lambda x: _finite(x) and 0 <= x < 1, "in [0, 1)"),
+    ("optim.eps", lambda x: _finite(x) and x > 0, "finite and > 0"),
+    ("optim.grad_clip", lambda x: _finite(x) and x >= 0,
+     "finite and >= 0 (0 = off)"),
+    ("sft.steps", lambda x: x >= 0, ">= 0"),
+    ("sft.batch_size", lambda x: x >= 1, ">= 1"),
+    ("sft.learning_rate", lambda x: _finite(x) and x > 0, "finite and > 0"),
+    ("sft.warmup_steps", lambda x: x >= 0, ">= 0"),
+    ("eval.num_problems", lambda x: x >= 0, ">= 0 (0 = all)"),
+    ("eval.samples_per_problem", lambda x: x >= 1, ">= 1"),
+    ("eval.temperature", lambda x: _finite(x) and x >= 0,
+     "finite and >= 0 (0 = greedy)"),
+    ("eval.every", lambda x: x >= 0, ">= 0"),
+    ("checkpoint.every", lambda x: x >= 0, ">= 0"),
+    ("checkpoint.keep", lambda x: x >= 1, ">= 1"),
+    ("stop_after_steps", lambda x: x >= 0, ">= 0"),
+    ("task.max_prompt_len", lambda x: x >= 1, ">= 1"),
+)
+
+
+def check_ranges(config) -> None:
+  """Every ``_RANGES`` entry (the relations between keys are checked in
+  ``validate`` and the step config); the error names the key, its value and
+  what was expected."""
+  for key, ok, expected in _RANGES:
+    node, *parts = config, *key.split(".")
+    for part in parts:
+      if part not in node:
+        break
+      node = node[part]
+    else:
+      try:
+        good = ok(node)
+      except TypeError:  # a string where a number belongs
+        good = False
+      if not good:
+        raise ValueError(f"{key}={node!r}: expected {expected}")
+
+
 def validate(config, mesh) -> ts.StepConfig:
   """Every check that can fail before anything runs; returns the step cfg."""
+  check_ranges(config)
   cfg = step_config(config)
   rl = config.rl
   if rl.old_logp not in ("sampler", "recompute"):
     raise ValueError(f"rl.old_logp={rl.old_logp!r}: expected 'sampler' or "
                      "'recompute'")
-  if rl.steps < 0 or rl.prompts_per_step < 1 or rl.max_nonfinite < 1:
-    raise ValueError(f"rl.steps={rl.steps}, rl.prompts_per_step="
-                     f"{rl.prompts_per_step}, rl.max_nonfinite="
-                     f"{rl.max_nonfinite}: expected >= 0, >= 1 and >= 1")
   task_class = tasks.task_class(config.task.name)
   if config.sft.steps:
     if not task_class.has_warmup:
@@ -150,10 +224,11 @@ def build_model_config(config, tokenizer=None, *,
   error, the config file's own values simply give way.
   """
   fields = _model_fields(config)
-  hf_json = os.path.join(config.init_from, "config.json")
-  if config.init_from and (tokenizer is not None or os.path.isfile(hf_json)):
+  if config.init_from and (tokenizer is not None or (
+      paths.path(config.init_from) / "config.json").is_file()):
     model_config = model_lib.ModelConfig.from_hf_dict(
-        hf.read_config(config.init_from), **runtime_fields(config))
+        hf.read_config(paths.local(config.init_from)),
+        **runtime_fields(config))
     clash = {k: (fields[k], getattr(model_config, k)) for k in fields
              if f"model.{k}" in explicit and k in ARCHITECTURE_FIELDS
              and fields[k] != getattr(model_config, k)}
@@ -222,7 +297,12 @@ def make_setup(config, *, abstract: bool = False, devices=None,
   rules = config_rules(config)
   step_cfg = validate(config, mesh)
   rollout_cfg = rollout.RolloutConfig.from_config(config.rl)
-  tokenizer = None if abstract else tasks.make_tokenizer(config)
+  tokenizer = None
+  if not abstract:
+    local = copy.deepcopy(config)
+    with local.unlocked():
+      local.init_from = paths.local(config.init_from)
+    tokenizer = tasks.make_tokenizer(local)
   if model_config is None:
     model_config = build_model_config(config, tokenizer, explicit=explicit)
   config = copy.deepcopy(config)
@@ -251,7 +331,7 @@ def init_params(setup: Setup):
   c, mc = setup.config, setup.model_config
   if c.init_from:
     model, loaded = hf.load_pretrained(
-        c.init_from, mesh=setup.mesh, rules=setup.rules, dtype=mc.dtype,
+        paths.local(c.init_from), mesh=setup.mesh, rules=setup.rules, dtype=mc.dtype,
         param_dtype=mc.param_dtype, remat=mc.remat,
         attention_impl=mc.attention_impl, attention_block=mc.attention_block)
     if loaded != mc:
@@ -277,49 +357,67 @@ def write_run_files(workdir: str, setup: Setup) -> None:
   """What ``restore_policy`` needs besides the arrays: the run's config
   (model section as built), the model config (transformers layout), the
   tokenizer."""
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(setup.config.to_json())
-  with open(os.path.join(workdir, "model_config.json"), "w") as f:
-    json.dump(setup.model_config.to_hf_dict(), f, indent=1)
+  root = paths.path(workdir)
+  paths.write_text(root / "config.json", setup.config.to_json())
+  paths.write_json(root / "model_config.json", setup.model_config.to_hf_dict())
   if setup.tokenizer is not None:
-    setup.tokenizer.save_pretrained(os.path.join(workdir, "tokenizer"))
+    with paths.output_dir(root / "tokenizer") as tok_dir:
+      setup.tokenizer.save_pretrained(tok_dir)
+
+
+def is_workdir(path) -> bool:
+  """True when ``path`` holds a trainer run (its config and checkpoints)."""
+  root = paths.path(path)
+  return ((root / "model_config.json").is_file()
+          and (root / "checkpoints").is_dir())
 
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   """The ml_collections config a run in ``workdir`` was started with."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
+  path = paths.path(workdir) / "config.json"
+  if not path.exists():
     raise FileNotFoundError(f"{path} not found: {workdir} is not a ba_jax "
                             "training workdir")
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  return ml_collections.ConfigDict(json.loads(path.read_text()))
 
 
-def restore_policy(workdir: str, step: int | None = None, *, mesh_shape=None):
+def restore_policy(workdir: str, step: int | None = None, *, mesh_shape=None,
+                   warn=print):
   """The policy saved in ``workdir``: ``(model, model_config, tokenizer)``.
 
-  Restores the newest checkpoint (or ``step``) onto a mesh of this machine's
-  devices (``mesh_shape``, default the run's own, e.g. {"data": -1, ...}),
-  whatever mesh it was saved from. Needs only the workdir (not init_from).
+  Restores the newest intact checkpoint (a damaged newer one is named in a
+  one-line ``warn``), or ``step``, onto a mesh of this machine's devices
+  (``mesh_shape``, default the run's own, e.g. {"data": -1, ...}), whatever
+  mesh it was saved from. Needs only the workdir (not init_from).
   """
   config = load_run_config(workdir)
   if mesh_shape is not None:
     config.mesh = dict(mesh_shape)
-  with open(os.path.join(workdir, "model_config.json")) as f:
-    model_config = model_lib.ModelConfig.from_hf_dict(
-        json.load(f), **runtime_fields(config))
+  model_config = model_lib.ModelConfig.from_hf_dict(
+      paths.read_json(paths.path(workdir) / "model_config.json"),
+      **runtime_fields(config))
   setup = make_setup(config, abstract=True, model_config=model_config)
   ckpt = checkpointing.Checkpointer(workdir, keep=max(config.checkpoint.keep, 1),
                                     async_save=False)
   try:
-    state, _ = ckpt.restore(abstract_state(setup), step)
+    if step is None:
+      _, state, _ = ckpt.restore_intact(abstract_state(setup), warn=warn)
+    else:
+      try:
+        state, _ = ckpt.restore(abstract_state(setup), step)
+      except FileNotFoundError:
+        raise
+      except Exception as e:  # orbax/tensorstore raise many kinds
+        raise checkpointing.NoIntactCheckpoint(
+            f"checkpoint step {step} under {ckpt.directory} is damaged: "
+            f"{checkpointing.first_line(e)}") from None
   finally:
     ckpt.close()
   model = nnx.merge(setup.graphdef, state.params)
-  tok_dir = os.path.join(workdir, "tokenizer")
+  tok_dir = paths.path(workdir) / "tokenizer"
   tokenizer = None
-  if os.path.isdir(tok_dir):
+  if tok_dir.is_dir():
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    with paths.local_dir(tok_dir) as local:
+      tokenizer = AutoTokenizer.from_pretrained(local)
   return model, model_config, tokenizer

@@ -5,8 +5,16 @@ Memory and FLOPs of a config without weights: ``python -m ba_jax.dry_run``.
 Several processes (``jax.distributed``): pass ``--coordinator_address``,
 ``--num_processes`` and ``--process_id``, or set ``BA_JAX_DISTRIBUTED=1`` to
 let JAX read the cluster from the environment (TPU pods, SLURM).
+
+Rerunning a workdir resumes it from its newest intact checkpoint; a config
+that changes the experiment is refused unless ``--allow_config_change``
+(recorded in the workdir's config_changes.jsonl). Exit status: 0 done or
+stopped to resume later (SIGTERM, stop_after_steps), 2 a refused config or
+no intact checkpoint (one line on stderr), 3 stopped by the non-finite
+guard (rl.max_nonfinite).
 """
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -21,6 +29,42 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
                                       "processes in the job (jax.distributed)")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None,
                                    "this process's index (jax.distributed)")
+_ALLOW_CHANGE = flags.DEFINE_bool(
+    "allow_config_change", False, "resume a workdir even though the config "
+    "changes its experiment (model, loss, rl, task, seed, optim, sft, "
+    "init_from); the change is recorded in config_changes.jsonl")
+
+EXIT_REFUSED = 2
+EXIT_NONFINITE = 3
+
+
+def _one_line(error: BaseException) -> str:
+  """The error's message on one line (a KeyError's comes quoted, with
+  escaped newlines, and may be quoted again by ml_collections)."""
+  text = error.args[0] if error.args and isinstance(error.args[0], str) else (
+      str(error))
+  text = text.replace("\\n", "\n").replace("\\'", "'")
+  while len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
+    text = text[1:-1]
+  return "; ".join(" ".join(l.split()) for l in text.split("\n") if l.strip())
+
+
+def parse_flags(argv):
+  """absl's parsing, with a bad ``--config.*`` override (ml_collections
+  raises KeyError/AttributeError/TypeError from inside the flag parser, a
+  long chained traceback) turned into one line naming the override."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(f"FATAL Flags parsing error: {_one_line(e)}")
+  except (KeyError, AttributeError, TypeError, ValueError) as e:
+    overrides = [a for a in argv[1:] if a.startswith("--config.")]
+    name = next((a for a in overrides
+                 if any(f"'{p}'" in _one_line(e) or p in _one_line(e)
+                        for p in a[len("--config."):].split("=")[0].split(
+                            ".")[-1:])), " ".join(overrides))
+    what = "no such key " if isinstance(e, (KeyError, AttributeError)) else ""
+    sys.exit(f"error: bad config override {name}: {what}{_one_line(e)}")
 
 
 def main(argv):
@@ -34,10 +78,21 @@ def main(argv):
                                process_id=_PROCESS_ID.value)
   elif os.environ.get("BA_JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()
-  from ba_jax import trainer
+  from ba_jax import checkpointing, resume, trainer
   overrides = config_flags.get_override_values(flags.FLAGS["config"])
-  trainer.run(_CONFIG.value, _WORKDIR.value, explicit=set(overrides))
+  try:
+    summary = trainer.run(_CONFIG.value, _WORKDIR.value,
+                          explicit=set(overrides),
+                          allow_config_change=_ALLOW_CHANGE.value)
+  except (resume.ConfigChanged, checkpointing.NoIntactCheckpoint) as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_REFUSED)
+  if summary.get("stopped") == trainer.StopReason.NONFINITE:
+    print(f"error: stopped at step {summary['step']}: rl.max_nonfinite="
+          f"{_CONFIG.value.rl.max_nonfinite} non-finite updates in a row",
+          file=sys.stderr, flush=True)
+    sys.exit(EXIT_NONFINITE)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
-import os
 import time
 from typing import Callable, Collection
 
@@ -24,10 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ba_jax import checkpointing, metrics as metrics_lib, rollout, sft
+from ba_jax import checkpointing, metrics as metrics_lib, paths, resume
+from ba_jax import rollout, sft
 from ba_jax import train_step as ts
-from ba_jax.run_setup import (Setup, abstract_state, init_params, make_setup,
-                              to_device, write_run_files)
+from ba_jax.run_setup import (ARCHITECTURE_FIELDS, Setup, abstract_state,
+                              init_params, make_setup, to_device,
+                              write_run_files)
 from ba_jax.scoring import score_responses
 
 EVAL_KEY = 2**31  # fold_in index of the evaluation key (RL steps use 0..)
@@ -96,11 +96,15 @@ class _Run:
     return to_device(arrays, self.setup.mesh, self.setup.rules)
 
 
-def run(config, workdir: str, *, explicit: Collection[str] = ()) -> dict:
+def run(config, workdir: str, *, explicit: Collection[str] = (),
+        allow_config_change: bool = False) -> dict:
   """Trains (or resumes) in ``workdir``; returns a summary dict.
 
   ``explicit``: the dotted config keys set on the command line (an
   architecture field among them must agree with ``init_from``).
+  ``allow_config_change``: resume even though ``config`` changes the saved
+  run's experiment (recorded in ``config_changes.jsonl``; see
+  ``ba_jax.resume``). A resumed run restores the newest intact checkpoint.
   """
   setup = make_setup(config, explicit=explicit)
   _ = setup.task  # built (a dataset task reads its files) and checked now
@@ -111,11 +115,19 @@ def run(config, workdir: str, *, explicit: Collection[str] = ()) -> dict:
   summary = {"workdir": workdir}
   with checkpointing.PreemptionGuard() as guard:
     r = _Run(setup, workdir, ckpt, guard, jax.random.key(config.seed), log)
-    latest = ckpt.latest_step()
-    if latest is None:
+    if ckpt.latest_step() is None:
       state, meta = _start(r)
     else:
-      state, meta = ckpt.restore(abstract_state(setup), latest)
+      changes = resume.check_config(
+          workdir, setup.config, allow_changes=allow_config_change,
+          architecture=ARCHITECTURE_FIELDS, record=main)
+      if changes:
+        log("resuming with a changed config (recorded in "
+            f"{resume.CHANGES_FILE}): " + ", ".join(changes))
+      latest, state, meta = ckpt.restore_intact(
+          abstract_state(setup), warn=log, set_aside=main)
+      if main:
+        resume.drop_replayed_rows(workdir, latest)
       log(f"resumed from {ckpt.directory} at step {latest}")
       r.base_key = jax.random.wrap_key_data(
           jnp.asarray(meta["rng_key"], jnp.uint32))
@@ -224,17 +236,18 @@ def _loop(r: _Run, state, meta) -> dict:
     reason = r.stop_reason(step)
     if reason is StopReason.NONFINITE:
       break
-    every = c.checkpoint.every
-    if (every and step % every == 0) or step == rl.steps:
-      save(step)
+    # The step's rows are written before its checkpoint, so a resume from
+    # it drops exactly the rows that it replays (resume.drop_replayed_rows).
     if c.eval.every and step % c.eval.every == 0 and step < rl.steps:
       acc = evaluate(setup, state.params,
                      jax.random.fold_in(r.base_key, EVAL_KEY + 1))
       logger.write_eval(step, acc)
       logger.log_text(f"step {step}: held-out accuracy " + _fmt(acc))
-    if reason is not None:
+    every = c.checkpoint.every
+    if (every and step % every == 0) or step == rl.steps or reason:
       r.note(logger.flush())
       save(step)
+    if reason is not None:
       r.log(f"stopping at step {step} ({reason}); checkpoint saved")
   r.note(logger.flush())
   reason = reason or r.stop_reason()
@@ -279,7 +292,6 @@ def _final_eval(r: _Run, state, before: dict, logger, step: int) -> dict:
         f"{before['heldout_acc_greedy']:.3f} -> "
         f"{after['heldout_acc_greedy']:.3f}")
   if jax.process_index() == 0:
-    with open(os.path.join(r.workdir, "summary.json"), "w") as f:
-      json.dump({"step": step, "before_rl": before, "after_rl": after}, f,
-                indent=1)
+    paths.write_json(paths.path(r.workdir) / "summary.json",
+                     {"step": step, "before_rl": before, "after_rl": after})
   return after

@@ -117,3 +117,39 @@ def test_cli_end_to_end_on_a_tiny_random_model(tmp_path):
              for r in s["responses"]) <= 6
   assert "| aime24 | 2 |" in (out / "results.md").read_text()
   assert "| amc23 | 3 |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_cli_on_a_workdir_the_trainer_wrote(tmp_path):
+  """`--model=WORKDIR` on a real trainer workdir (its own config.json does
+  not make it a Hugging Face directory): the trained policy is evaluated."""
+  import trainer_utils as tu
+  from ba_jax import trainer
+  workdir = tmp_path / "run"
+  config = tu.smoke_config(**{"sft.steps": 0, "rl.steps": 1, "rl.num_minibatches": 1,
+                              "log.tensorboard": False, "eval.num_problems": 8,
+                              "eval.samples_per_problem": 1})
+  out = trainer.run(config, str(workdir))
+  model, _, tokenizer = eval_lib.load_policy(str(workdir))
+  from flax import nnx
+  assert tu.max_abs_diff(tu.host_params(nnx.state(model)),
+                         tu.host_params(out["state"])) == 0.0
+  assert tokenizer("1+2=")["input_ids"] == [5, 14, 6, 15]
+  results_dir = tmp_path / "eval"
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+             XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, "-m", "ba_jax.evaluate", f"--model={workdir}",
+         "--benchmarks=aime24", f"--data_dir={EVAL_DIR}", "--k=2", f"--output_dir={results_dir}",
+         "--max_new_tokens=4", "--batch_size=2", "--num_workers=1", "--template=answer",
+         "--rule=answer"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  results = json.loads((results_dir / "results.json").read_text())
+  assert results["model"] == str(workdir)
+  summary = results["benchmarks"]["aime24"]["summary"]
+  assert summary["num_problems"] == 2 and summary["samples_per_problem"] == 2
+
+
+def test_a_directory_that_is_neither_is_named(tmp_path):
+  with pytest.raises(ValueError, match="neither a Hugging Face directory"):
+    eval_lib.load_policy(str(tmp_path))

@@ -1,6 +1,7 @@
 """The training job end to end, and the errors it raises before running."""
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -40,12 +41,14 @@ def test_smoke_config_runs_end_to_end(tmp_path):
   assert os.listdir(workdir / "tb")  # TensorBoard event file written
 
 
-def test_unknown_config_key_is_an_error_naming_it(tmp_path):
+def test_unknown_config_key_is_one_line_naming_it(tmp_path):
   out = tu.run_module(["ba_jax.train", "--config=configs/tiny.py:smoke",
                        f"--workdir={tmp_path}", "--config.rl.stpes=3"],
                       timeout=120)
   assert out.returncode != 0
-  assert "stpes" in out.stderr
+  assert out.stderr.strip() == (
+      "error: bad config override --config.rl.stpes=3: no such key 'stpes'; "
+      'Did you mean "steps" instead of "stpes"?')
   assert not os.listdir(tmp_path)  # nothing ran
 
 
@@ -58,6 +61,30 @@ def test_unknown_config_key_is_an_error_naming_it(tmp_path):
     ({"rl.overlong": "cut"}, "rl.overlong='cut'"),
     ({"mesh.fsdp": 3}, "does not divide"),
     ({"rl.max_new_tokens": 8}, "rl.max_new_tokens=8"),
+    # Every numeric range (run_setup._RANGES), named before any warm-up.
+    ({"optim.learning_rate": -1e-4}, r"optim.learning_rate=-0.0001: expected "
+     r"finite and > 0"),
+    ({"optim.learning_rate": float("nan")}, "optim.learning_rate=nan"),
+    ({"sft.learning_rate": -3e-3}, "sft.learning_rate=-0.003"),
+    ({"sft.learning_rate": float("inf")}, "sft.learning_rate=inf"),
+    ({"loss.eps_low": -0.1}, r"loss.eps_low=-0.1: expected in \[0, 1\)"),
+    ({"loss.eps_low": 1.0}, r"loss.eps_low=1.0: expected in \[0, 1\)"),
+    ({"loss.eps_high": -0.2}, "loss.eps_high=-0.2"),
+    ({"loss.dual_clip": 0.5}, "loss.dual_clip=0.5: expected None or > 1"),
+    ({"loss.kl_coef": -0.1}, "loss.kl_coef=-0.1"),
+    ({"loss.entropy_coef": float("nan")}, "loss.entropy_coef=nan"),
+    ({"rl.group_size": 1}, "rl.group_size=1: expected >= 2"),
+    ({"rl.top_p": 2.0}, r"rl.top_p=2.0: expected in \(0, 1\]"),
+    ({"rl.top_p": 0.0}, "rl.top_p=0.0"),
+    ({"rl.top_k": -1}, "rl.top_k=-1"),
+    ({"rl.temperature": 0.0}, "rl.temperature=0.0: expected finite and > 0"),
+    ({"eval.temperature": -1.0}, "eval.temperature=-1.0"),
+    ({"rl.max_new_tokens": 0}, "rl.max_new_tokens=0: expected >= 1"),
+    ({"task.max_prompt_len": 0}, "task.max_prompt_len=0"),
+    ({"rl.steps": -1}, "rl.steps=-1"),
+    ({"optim.b2": 1.0}, "optim.b2=1.0"),
+    ({"optim.grad_clip": -1.0}, "optim.grad_clip=-1.0"),
+    ({"checkpoint.keep": 0}, "checkpoint.keep=0"),
 ])
 def test_bad_config_fails_before_anything_runs(tmp_path, overrides, message):
   config = tu.smoke_config(**overrides)
@@ -66,15 +93,20 @@ def test_bad_config_fails_before_anything_runs(tmp_path, overrides, message):
   assert not (tmp_path / "run").exists()
 
 
+# An entropy bonus of 1e300 is a valid float64 config value and infinite in
+# the float32 loss: every update is non-finite (a NaN learning rate, the
+# old way to get there, is now refused by the config validation).
+NONFINITE = {"sft.steps": 0, "rl.steps": 6, "rl.num_minibatches": 1,
+             "rl.max_nonfinite": 2, "loss.entropy_coef": 1e300,
+             "log.tensorboard": False, "checkpoint.every": 0}
+
+
 @pytest.mark.slow
 def test_non_finite_updates_in_a_row_stop_the_run(tmp_path):
-  """A NaN learning rate makes every update non-finite: each is skipped and
-  counted, and rl.max_nonfinite of them in a row stop the run with the
-  step-0 checkpoint intact."""
-  config = tu.smoke_config(**{
-      "sft.steps": 0, "rl.steps": 6, "rl.num_minibatches": 1,
-      "rl.max_nonfinite": 2, "optim.learning_rate": float("nan"),
-      "log.tensorboard": False, "checkpoint.every": 0})
+  """Every update non-finite: each is skipped and counted, and
+  rl.max_nonfinite of them in a row stop the run with the step-0
+  checkpoint intact."""
+  config = tu.smoke_config(**NONFINITE)
   out = trainer.run(config, str(tmp_path))
   assert out["stopped"] == "nonfinite"
   assert out["step"] < 6
@@ -85,6 +117,18 @@ def test_non_finite_updates_in_a_row_stop_the_run(tmp_path):
   assert checkpointing.Checkpointer(str(tmp_path)).all_steps() == [0]
   start = tu.host_params(run_setup.init_params(run_setup.make_setup(config)))
   assert tu.max_abs_diff(tu.host_params(out["state"]), start) == 0.0
+
+
+@pytest.mark.slow
+def test_the_non_finite_guard_exits_with_status_3(tmp_path):
+  out = tu.run_module(["ba_jax.train", "--config=configs/tiny.py:smoke",
+                       f"--workdir={tmp_path}"] + [
+                           f"--config.{k}={v}" for k, v in NONFINITE.items()])
+  assert out.returncode == 3, out.stderr[-3000:]
+  # metrics are read one step behind: the guard trips at step 2 or 3
+  assert re.fullmatch(r"error: stopped at step [23]: rl.max_nonfinite=2 "
+                      r"non-finite updates in a row",
+                      out.stderr.strip().split("\n")[-1])
 
 
 def test_dataset_task_streams_formats_and_grades():
