@@ -77,7 +77,9 @@ def test_tiny_flops_match_the_analytic_estimate(tiny_report):
   assert analytic["sample"] > analytic["sample_xla_counts"]
 
 
-def test_one_update_extrapolates_the_whole_step(tiny_report):
+def test_one_update_matches_the_whole_step(tiny_report):
+  """The whole step scans its updates, so XLA counts one update in both
+  programs; one_update only adds the rest of the batch to the arguments."""
   one = dry_run.dry_run(load("configs/tiny.py"), sample=False,
                         one_update=True)
   full = tiny_report["train_step"]
