@@ -145,6 +145,8 @@ def model(**fields) -> ml_collections.ConfigDict:
       # Scoring runs the LM head and log-softmax over this many tokens at a
       # time: peak memory O(rows x chunk x vocab), never [rows, L, vocab].
       logprob_chunk=512,
+      # Layers per iteration of the layer scan (1 = one compiled body).
+      scan_unroll=1,
   ), **fields))
 
 
