@@ -40,7 +40,8 @@ def base(aggregation: str = "balanced") -> ml_collections.ConfigDict:
   # A Hugging Face directory (config.json, safetensors, tokenizer) to start
   # from, read by ba_jax.hf.load_pretrained; "" builds a random model from
   # config.model. With it set, the architecture is the checkpoint's own and
-  # config.model supplies only dtype, param_dtype, remat and attention_*.
+  # config.model supplies only how to run it (dtype, param_dtype, remat,
+  # attention_*, logprob_chunk, scan_unroll).
   c.init_from = ""
 
   # Supervised warm-up before RL; steps=0 skips it.
