@@ -1,8 +1,12 @@
 """Compile a config's train step and sampler without weights; report memory and FLOPs.
 
     python -m ba_jax.dry_run --config=configs/qwen25_math_7b_dapo17k.py \\
-        --num_cpu_devices=8 --one_update \\
-        --config.mesh.data=1 --config.mesh.fsdp=4 --config.mesh.tensor=2
+        --num_cpu_devices=64
+
+compiles the WHOLE train step (every PPO epoch and mini-batch, under their
+``lax.scan``) and the sampler on the config's own mesh (fsdp 16 x tensor 4
+for the paper configs), and says per named TPU slice (``TPU_HBM_GIB``)
+whether each program's per-device peak fits one chip's HBM.
 
 ``dry_run(config)`` builds the run abstractly with the trainer's own builder
 (``run_setup.make_setup(config, abstract=True)``: no tokenizer, no
@@ -15,18 +19,20 @@ device the bytes of ``compiled.memory_analysis()`` and the FLOPs of
 - Memory is per device on the mesh printed. ``peak`` = arguments + outputs -
   aliased (the donated state) + temporaries + generated code. On CPU it is
   XLA:CPU's buffer assignment: an estimate for an accelerator.
-- XLA counts a loop's body once: the micro-batch ``lax.scan`` of the train
-  step and the decode ``while_loop`` of the sampler. The analytic figures are
-  given for the whole program and "as XLA counts" (one micro-batch per
-  update; the prefill and one decode step) to compare with XLA's.
+- XLA counts a loop's body once: the update, micro-batch and layer
+  ``lax.scan`` of the train step and the decode ``while_loop`` of the
+  sampler. The analytic figures are given for the whole program and "as XLA
+  counts" (one micro-batch of one update through one layer and the LM head;
+  the prefill and one decode step) to compare with XLA's.
 - Analytic FLOPs: 2 x matmul parameters per token and pass (forward 1 pass,
   backward 2, remat 1 more), plus attention as this model computes it (the
   full L x S score matrix, no causal skipping).
-- ``one_update=True`` compiles a single mini-batch update (one of
-  ``ppo_epochs x num_minibatches``, same rows and micro-batches) instead of
-  the whole step, which XLA unrolls: compile time drops by that factor. FLOPs
-  are then scaled up and the full batch's argument bytes added; temporaries
-  are one update's, which updates run in sequence and reuse.
+- ``one_update=True`` (not the default) compiles a single mini-batch update
+  (one of ``ppo_epochs x num_minibatches``, same rows and micro-batches)
+  instead of the whole step. Since the updates run under one ``lax.scan``
+  the whole step compiles in about the same time, so this is only a check:
+  the full batch's argument bytes are added; temporaries and XLA's FLOPs are
+  one update's either way.
 """
 from __future__ import annotations
 
@@ -45,6 +51,10 @@ from ba_jax import sharding as sharding_lib
 from ba_jax import train_step as ts
 from ba_jax import trainer
 
+# HBM per chip, GiB (Google Cloud's published TPU specifications).
+TPU_HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+ESTIMATE_NOTE = ("memory is XLA:CPU's buffer assignment for these programs: "
+                 "an estimate of an accelerator's, not a measurement on one")
 MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
 # LLVM's optimisation level changes neither XLA's buffer assignment (memory)
 # nor its HLO (FLOPs); lowering it halves the CPU compile time.
@@ -65,8 +75,8 @@ def param_counts(abstract_params, c: model_lib.ModelConfig) -> dict:
 def analytic_flops(c: model_lib.ModelConfig, matmul_params: int, *,
                    rows: int, prompts: int, prompt_len: int,
                    response_len: int, ppo_epochs: int,
-                   micro_batches: int, prompt_bucket: int | None = None
-                   ) -> dict:
+                   micro_batches: int, prompt_bucket: int | None = None,
+                   minibatches: int = 1) -> dict:
   """FLOPs of one train step and one sampling call, whole mesh.
 
   Train: every row goes ``ppo_epochs`` times forward and backward over
@@ -74,18 +84,28 @@ def analytic_flops(c: model_lib.ModelConfig, matmul_params: int, *,
   ``prompt_bucket`` tokens, default P, into a cache of S = bucket + T - 1
   slots), then T - 1 decode steps of all N = B * G rows, each attending
   over the whole cache.
+
+  "As XLA counts": XLA's cost analysis counts a loop body once, and the
+  train step is loops all the way down (PPO updates, micro-batches, the
+  scanned layers), so its figure is one micro-batch of one update through
+  one layer plus the LM head.
   """
   attn = 4 * c.num_layers * c.num_heads * c.head_dim  # x queries x keys
   L = prompt_len + response_len
   passes = 4 if c.remat != "none" else 3
+  head = c.hidden_size * c.vocab_size
   train = passes * rows * ppo_epochs * (2 * matmul_params * L + attn * L * L)
+  one_layer_and_head = passes * rows * ppo_epochs * (
+      2 * ((matmul_params - head) / c.num_layers + head) * L
+      + attn / c.num_layers * L * L)
   bucket = prompt_bucket or prompt_len
   S = bucket + response_len - 1
   prefill = prompts * bucket * (2 * matmul_params + attn * S)
   decode_step = rows * (2 * matmul_params + attn * S)
   return {
       "train_step": float(train),
-      "train_step_xla_counts": float(train / micro_batches),
+      "train_step_xla_counts": float(
+          one_layer_and_head / (micro_batches * ppo_epochs * minibatches)),
       "train_6ND": float(6 * matmul_params * rows * L * ppo_epochs),
       "sample": float(prefill + (response_len - 1) * decode_step),
       "sample_xla_counts": float(prefill + decode_step),
@@ -188,7 +208,8 @@ def dry_run(config, *, devices=None, sample: bool = True,
           model_config, counts["matmul"], rows=N, prompts=B, prompt_len=P,
           response_len=T, ppo_epochs=rl.ppo_epochs,
           micro_batches=rl.num_microbatches,
-          prompt_bucket=sampler_lib.bucket_length(P)),
+          prompt_bucket=sampler_lib.bucket_length(P),
+          minibatches=rl.num_minibatches),
       "notes": _notes(model_config, P, T, platform),
   }
 
@@ -231,7 +252,8 @@ def _dry_run_train(setup, state_in, batch_in, *, one_update, shapes,
   step_fn = ts.jit_train_step(
       graphdef=setup.graphdef, tx=setup.tx, cfg=compiled_cfg,
       state_sharding=setup.state_sharding,
-      batch_sharding={k: v.sharding for k, v in step_batch.items()})
+      batch_sharding={k: v.sharding for k, v in step_batch.items()},
+      mesh=setup.mesh, rules=setup.rules)
   out = _compile(step_fn.lower(state_in, step_batch), platform)
   out["updates_compiled"] = (compiled_cfg.ppo_epochs
                              * compiled_cfg.num_minibatches)
@@ -240,7 +262,8 @@ def _dry_run_train(setup, state_in, batch_in, *, one_update, shapes,
     out["one_update_memory"] = dict(out["memory"])
     out["memory"]["argument"] += extra
     out["memory"]["peak"] += extra
-    out["flops_per_device"] *= updates / out["updates_compiled"]
+    # No FLOP scaling: the whole step's updates are a lax.scan, which XLA
+    # counts once too, so both figures are one update's.
   return out
 
 
@@ -321,17 +344,30 @@ def format_report(report: dict) -> str:
       "",
       "analytic FLOPs per device (whole mesh / devices):",
       f"  train step {a['train_step']:.3e} (6ND {a['train_6ND']:.3e}); "
-      f"as XLA counts (one micro-batch per update) "
+      f"as XLA counts (each loop body once: one micro-batch of one update "
+      f"through one layer + the LM head) "
       f"{a['train_step_xla_counts']:.3e}",
       f"  sampling   {a['sample']:.3e} (2ND {a['sample_2ND']:.3e}); "
       f"as XLA counts (prefill + one decode step) "
       f"{a['sample_xla_counts']:.3e}",
   ]
+  lines.append("")
+  lines.append(f"fits per chip ({report['devices']} chips; "
+               "peak per device vs HBM per chip):")
+  for chip, gib in TPU_HBM_GIB.items():
+    verdicts = []
+    for p in programs:
+      peak = report[p]["memory"]["peak"] / 2**30
+      verdicts.append(f"{p} {'fits' if peak <= gib else 'does NOT fit'}"
+                      f" ({peak:.3g} of {gib} GiB)")
+    lines.append(f"  {chip}-{report['devices']}: " + "; ".join(verdicts))
+  if report["platform"] == "cpu":
+    lines.append(f"note: {ESTIMATE_NOTE}")
   train = report["train_step"]
   if "one_update_memory" in train:
     lines.append(f"train_step: compiled {train['updates_compiled']} of "
                  f"{s['ppo_epochs'] * s['num_minibatches']} updates; "
-                 "FLOPs scaled, full batch added to the arguments")
+                 "full batch added to the arguments")
   return "\n".join(lines)
 
 
@@ -350,7 +386,7 @@ def _main():
       "default); the same as XLA_FLAGS=--xla_force_host_platform_device_count")
   one_update = flags.DEFINE_bool(
       "one_update", False, "compile one mini-batch update, not the whole "
-      "step (faster; FLOPs scaled, see ba_jax/dry_run.py)")
+      "step (a check; see ba_jax/dry_run.py)")
   sample = flags.DEFINE_bool("sample", True, "also compile the sampler")
   json_out = flags.DEFINE_string("json_out", None, "write the report here")
 

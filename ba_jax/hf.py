@@ -153,8 +153,9 @@ def _set_path(tree: dict, path: tuple, value):
 
 def load_pretrained(path, *, dtype: str = "float32", param_dtype: str | None = None, mesh=None, rules=None,
                     remat: str | bool = "none", attention_impl: str = "full",
-                    attention_block: int = 512) -> tuple[Decoder, ModelConfig]:
-  """Loads a HF checkpoint directory. `param_dtype` defaults to the checkpoint's own dtype."""
+                    attention_block: int = 512, **runtime) -> tuple[Decoder, ModelConfig]:
+  """Loads a HF checkpoint directory. `param_dtype` defaults to the checkpoint's own dtype;
+  `runtime`: further ModelConfig fields a checkpoint does not decide (e.g. logprob_chunk)."""
   path = pathlib.Path(path)
   hf_config = read_config(path)
   files = _weight_files(path)
@@ -162,7 +163,8 @@ def load_pretrained(path, *, dtype: str = "float32", param_dtype: str | None = N
   if param_dtype is None:
     param_dtype = str(reader.get("model.embed_tokens.weight").dtype)
   config = ModelConfig.from_hf_dict(hf_config, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                    attention_impl=attention_impl, attention_block=attention_block)
+                                    attention_impl=attention_impl, attention_block=attention_block,
+                                    **runtime)
   abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   shardings = None

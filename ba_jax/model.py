@@ -69,6 +69,9 @@ class ModelConfig:
   attention_impl: str = dataclasses.field(default="full", compare=False)  # one of ATTENTION_IMPLS
   attention_block: int = dataclasses.field(default=512, compare=False)  # blockwise tile (queries, keys)
   logprob_chunk: int = dataclasses.field(default=512, compare=False)  # scoring: tokens per LM-head chunk
+  # Layer bodies per iteration of the uncached forward's lax.scan (1: one body, the smallest
+  # program; more trades compile time and code size for fewer loop iterations).
+  scan_unroll: int = dataclasses.field(default=1, compare=False)
 
   def __post_init__(self):
     if isinstance(self.remat, bool):  # configs written before remat policies
@@ -77,6 +80,8 @@ class ModelConfig:
       raise ValueError(f"remat={self.remat!r} is not supported; expected one of {REMAT_POLICIES} (or a bool)")
     if not isinstance(self.logprob_chunk, int) or self.logprob_chunk < 1:
       raise ValueError(f"logprob_chunk={self.logprob_chunk!r}; expected a positive int (tokens per chunk)")
+    if not isinstance(self.scan_unroll, int) or self.scan_unroll < 1:
+      raise ValueError(f"scan_unroll={self.scan_unroll!r}; expected a positive int (layers per scan step)")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"attention_impl={self.attention_impl!r} is not supported; expected one of {ATTENTION_IMPLS}")
     if not isinstance(self.attention_block, int) or self.attention_block < 1:
@@ -394,7 +399,7 @@ class Decoder(nnx.Module):
         return sharding_lib.constrain(x, RESIDUAL_AXES), None
 
       # Remat only pays in a backward pass; the cached (sampling) path has none.
-      x, _ = jax.lax.scan(_remat(body, c.remat), x, layer_state)
+      x, _ = jax.lax.scan(_remat(body, c.remat), x, layer_state, unroll=c.scan_unroll)
       new_cache = None
     else:
       new_k, new_v = [], []

@@ -330,10 +330,11 @@ def init_params(setup: Setup):
   materialised directly sharded."""
   c, mc = setup.config, setup.model_config
   if c.init_from:
+    # Every runtime field as the run resolved it (the model config, not the
+    # raw section), so a field added to ModelConfig needs no edit here.
     model, loaded = hf.load_pretrained(
-        paths.local(c.init_from), mesh=setup.mesh, rules=setup.rules, dtype=mc.dtype,
-        param_dtype=mc.param_dtype, remat=mc.remat,
-        attention_impl=mc.attention_impl, attention_block=mc.attention_block)
+        paths.local(c.init_from), mesh=setup.mesh, rules=setup.rules,
+        **{k: getattr(mc, k) for k in runtime_fields(c)})
     if loaded != mc:
       raise ValueError(f"init_from={c.init_from!r} changed since the run was "
                        f"set up: {loaded} != {mc}")

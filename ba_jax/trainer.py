@@ -189,7 +189,8 @@ def _loop(r: _Run, state, meta) -> dict:
   c, rl = setup.config, setup.config.rl
   step_fn = ts.jit_train_step(graphdef=setup.graphdef, tx=setup.tx,
                               cfg=setup.step_cfg,
-                              state_sharding=setup.state_sharding)
+                              state_sharding=setup.state_sharding,
+                              mesh=setup.mesh, rules=setup.rules)
   score = jax.jit(lambda p, b: score_logp(p, b, graphdef=setup.graphdef,
                                           temperature=rl.temperature))
   ref_params = None

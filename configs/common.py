@@ -40,7 +40,8 @@ def base(aggregation: str = "balanced") -> ml_collections.ConfigDict:
   # A Hugging Face directory (config.json, safetensors, tokenizer) to start
   # from, read by ba_jax.hf.load_pretrained; "" builds a random model from
   # config.model. With it set, the architecture is the checkpoint's own and
-  # config.model supplies only dtype, param_dtype, remat and attention_*.
+  # config.model supplies only how to run it (dtype, param_dtype, remat,
+  # attention_*, logprob_chunk, scan_unroll).
   c.init_from = ""
 
   # Supervised warm-up before RL; steps=0 skips it.
@@ -133,65 +134,133 @@ def model(**fields) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(dict(
       dtype="float32",  # compute dtype
       param_dtype="float32",  # parameters and optimizer moments
-      remat=False,  # rematerialise each layer in the backward pass
+      # What the backward pass of each (scanned) layer keeps: "none" keeps
+      # every activation; "full" recomputes the layer; a jax.checkpoint
+      # policy such as "dots_with_no_batch_dims_saveable" keeps the matmul
+      # outputs (ba_jax.model.REMAT_POLICIES).
+      remat="none",
       # Uncached attention: "full" builds the [L, L] score matrix; "blockwise"
-      # runs over attention_block x attention_block tiles (flash-style).
+      # runs over attention_block x attention_block tiles (flash-style);
+      # "auto" picks the backend's kernel (splash on TPU, cuDNN on GPU,
+      # blockwise on CPU; ba_jax/attention.py).
       attention_impl="full",
       attention_block=512,
+      # Scoring runs the LM head and log-softmax over this many tokens at a
+      # time: peak memory O(rows x chunk x vocab), never [rows, L, vocab].
+      logprob_chunk=512,
+      # Layers per iteration of the layer scan (1 = one compiled body).
+      scan_unroll=1,
   ), **fields))
 
 
-PAPER_VARIANTS = {"agg": "<aggregation mode>", "param_dtype": "<dtype>"}
+PAPER_VARIANTS = {"agg": "<aggregation mode>", "param_dtype": "<dtype>",
+                  "runlocal": "a few steps on this CPU: tiny random model of "
+                              "the same family on the bundled synthetic task"}
 
 
 def paper_config(arg, config_file: str, **architecture
-                 ) -> ml_collections.ConfigDict:
-  """A paper setting: its variants (``PAPER_VARIANTS``), ``base()``, the
-  model ``architecture`` (ModelConfig fields) and ``dapo_recipe``; the
-  caller adds ``init_from`` and the task."""
+                 ) -> tuple[ml_collections.ConfigDict, dict]:
+  """A paper setting: ``base()``, the model ``architecture`` (ModelConfig
+  fields) and ``dapo_recipe``, and the parsed variants (``PAPER_VARIANTS``);
+  the caller adds ``init_from``, the lengths and the task, then applies
+  ``runlocal`` when asked."""
   args = parse_variants(arg, PAPER_VARIANTS, config_file)
   c = base(aggregation=args.get("agg", "balanced"))
   c.model = model(**architecture)
-  dapo_recipe(c, param_dtype=args.get("param_dtype", "bfloat16"))
-  return c
+  dapo_recipe(c, param_dtype=args.get("param_dtype", "float32"))
+  return c, args
+
+
+def runlocal(c: ml_collections.ConfigDict) -> None:
+  """Shrinks a paper config ``c`` (task already set) in place to a
+  seconds-scale CPU run: a random model of the same family (model_type,
+  qk_norm, attention bias and tied embeddings kept; every size tiny), no
+  ``init_from``, and the bundled synthetic task instead of the dataset,
+  whose prompts would need the checkpoint's tokenizer. The recipe's keys
+  (loss, overlong shaping, dynamic sampling, optimizer) stay as they are
+  at toy sizes, so what is exercised is the paper config's own path."""
+  c.init_from = ""
+  c.model.update(vocab_size=32, hidden_size=32, intermediate_size=64,
+                 num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                 max_position_embeddings=128, dtype="float32",
+                 param_dtype="float32", attention_impl="full",
+                 attention_block=16, logprob_chunk=16)
+  c.task = synthetic_task()
+  c.task.max_terms = 3
+  c.sft.update(steps=20, batch_size=16, learning_rate=3e-3, warmup_steps=2)
+  c.rl.update(steps=2, prompts_per_step=4, group_size=4, max_new_tokens=28,
+              num_minibatches=2, num_microbatches=1, overlong_buffer=4,
+              max_sampling_rounds=1)
+  c.optim.update(learning_rate=1e-4, warmup_steps=2)
+  c.mesh.update(data=-1, fsdp=1, tensor=1)
+  c.checkpoint.update(every=0, keep=1)
+  c.eval = base().eval
+  c.eval.update(num_problems=8, samples_per_problem=2)
+
+
+def synthetic_task(**fields) -> ml_collections.ConfigDict:
+  """The bundled synthetic addition task (ba_jax/synthetic.py)."""
+  return ml_collections.ConfigDict(dict(dict(
+      name="synthetic_sum",  # a name registered in ba_jax/tasks.py
+      min_terms=2,  # fewest numbers to add (response length grows with it)
+      max_terms=4,  # most numbers to add: the length-variation setting
+      max_value=9,  # each number is drawn from 1..max_value
+      length_gap=6,  # wrong minus right length, tokens
+      sft_correct_frac=0.5,  # share of correct traces in the warm-up data
+      # rewards: ba_jax.rewards.score_math(rule="answer"), the math reward
+      # path; builtin: ba_jax.synthetic.grade, the same rule without it.
+      grader="rewards",
+      max_prompt_len=16,  # prompt tokens, padded (static shape)
+  ), **fields))
 
 
 def dapo_recipe(c: ml_collections.ConfigDict, param_dtype: str) -> None:
   """The paper settings' shared recipe (DAPO's published one, Yu et al.
-  2025, where the paper is silent), applied to ``c`` in place.
+  2025, where the paper is silent), applied to ``c`` in place; lengths are
+  set by each config file.
 
-  AdamW lr 1e-6 after 10 warm-up steps then constant, weight decay 0.1,
+  AdamW lr 1e-6 after 10 warm-up RL steps then constant, weight decay 0.1,
   gradient clipping 1.0; 512 prompts x 16 responses per step in 16
-  mini-batches of 32 prompts; 20480 response tokens with a 4096-token soft
-  overlong penalty; clip 0.2 / 0.28 (clip-higher); no KL; temperature 1,
-  top-p 1; dynamic sampling; bfloat16 compute, remat and blockwise
-  attention; the six math benchmarks held out. RL steps are our choice.
+  mini-batches of 32 prompts; soft overlong penalty; clip 0.2 / 0.28
+  (clip-higher); no KL; temperature 1, top-p 1; dynamic sampling (as in
+  verl's recipe/dapo/test_dapo_7b_math.sh, the DAPO recipe for
+  Qwen2.5-Math-7B: lr 1e-6, lr_warmup_steps=10, weight_decay 0.1,
+  grad_clip 1.0, train_prompt_bsz 512, n 16, mini-batch 32 prompts, clip
+  0.2/0.28). RL steps are our choice.
 
-  bfloat16 parameters (``param_dtype``'s default) keep 8 significant bits:
-  an AdamW step of ~1e-6 on a weight of magnitude 1e-2 is below half an ulp
-  there (~3e-5) and is rounded away. ``param_dtype="float32"`` keeps float32
-  master weights and optimizer moments with bfloat16 compute (~16 bytes per
-  parameter).
+  Warm-up: verl steps its LR scheduler once per RL step (after all of the
+  step's mini-batches); ours counts optimizer updates, ppo_epochs x
+  num_minibatches = 1 x 16 per RL step, so 10 RL steps = 160 updates.
+
+  Float32 master weights and AdamW moments with bfloat16 compute by default
+  (~16 bytes per parameter before sharding): bfloat16 parameters keep 8
+  significant bits, and an AdamW step of ~1e-6 on a weight of magnitude
+  1e-2 is below half an ulp there (~3e-5), so it is rounded away.
+  ``:param_dtype=bfloat16`` halves the weights' memory at that cost.
+
+  Remat "full" (each scanned layer recomputed in the backward pass) and the
+  backend's attention kernel ("auto": splash on TPU, blockwise on CPU).
   """
   c.init_from = "/path/to/checkpoint"  # SET IT (a local HF directory)
-  c.model.update(dtype="bfloat16", param_dtype=param_dtype, remat=True,
-                 # the full [L, L] float32 scores at L = 22528 would be
-                 # ~2 GB per row, head and layer
-                 attention_impl="blockwise", attention_block=1024)
+  c.model.update(dtype="bfloat16", param_dtype=param_dtype, remat="full",
+                 attention_impl="auto", attention_block=1024)
   c.sft.update(steps=0, batch_size=512, learning_rate=1e-6, warmup_steps=0)
   c.rl.update(
-      steps=400, prompts_per_step=512, group_size=16, max_new_tokens=20480,
+      steps=400, prompts_per_step=512, group_size=16,
       num_minibatches=16,
       # 512-row mini-batches in 16-row micro-batches: one row per batch
       # shard with data x fsdp = 16; raise this on a larger pod.
       num_microbatches=32,
       # The trainer would recompute in one forward over the whole batch,
       # far too large at this scale: the sampler's log-probs are used.
-      old_logp="sampler", dynamic_sampling=True, overlong="soft",
-      overlong_buffer=4096)
-  c.optim.update(learning_rate=1e-6, warmup_steps=10, weight_decay=0.1)
-  # -1 takes the remaining devices: a multiple of 64 (fsdp 16 x tensor 4).
-  c.mesh.update(fsdp=16, tensor=4)
+      old_logp="sampler", dynamic_sampling=True, overlong="soft")
+  # verl's lr_warmup_steps=10 counts RL steps; ours counts updates.
+  c.optim.update(learning_rate=1e-6,
+                 warmup_steps=10 * c.rl.ppo_epochs * c.rl.num_minibatches,
+                 weight_decay=0.1)
+  # The configs' own 64-device pod mesh (v5e-64, v4-128's 64 chips, ...);
+  # data=-1 takes any further devices (a multiple of 64).
+  c.mesh.update(data=-1, fsdp=16, tensor=4)
   c.checkpoint.update(every=20, keep=3)
   c.eval = ml_collections.ConfigDict(dict(
       benchmarks="aime24,aime25,amc23,math500,minerva,olympiadbench",

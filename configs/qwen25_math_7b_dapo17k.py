@@ -9,17 +9,30 @@ Every worker of a TPU pod runs it (experiments/launch/tpu_pod.sh); check
 memory first with ``python -m ba_jax.dry_run`` and the same flags (README).
 
 Variants: ``:agg=<mode>`` (token | sequence | dr_grpo | balanced, the
-default) and ``:param_dtype=<dtype>`` (e.g. float32 master weights: ~120 GB for
-the whole model with its AdamW moments before sharding). The recipe both
-paper configs share (DAPO's where the paper is silent), and why float32
-master weights can matter at lr 1e-6, are ``dapo_recipe`` in
-configs/common.py. The model fields describe Qwen2.5-Math-7B for the dry run; a
-run takes the architecture from ``init_from``'s config.json.
+default), ``:param_dtype=<dtype>`` (float32 master weights by default: ~120 GB
+for the whole model with its AdamW moments before sharding; bfloat16 halves
+the weights) and ``:runlocal`` (a few steps on this CPU: a tiny random qwen2
+model on the bundled synthetic task, ``configs/common.py:runlocal``)::
 
-Qwen2.5-Math-7B was pre-trained with a 4096-token context
-(max_position_embeddings 4096), far below 2048 + 20480 tokens; a smaller
-budget (--config.rl.max_new_tokens=..., with a smaller overlong_buffer) is a
-common choice for this model.
+    python -m ba_jax.train --config=configs/qwen25_math_7b_dapo17k.py:runlocal \\
+        --workdir=/tmp/runlocal_7b
+
+The recipe both paper configs share (DAPO's where the paper is silent),
+with its citation and how its warm-up was converted, is ``dapo_recipe`` in
+configs/common.py. The model fields describe Qwen2.5-Math-7B for the dry
+run; a run takes the architecture from ``init_from``'s config.json.
+
+Lengths: Qwen2.5-Math-7B has a 4096-token context (max_position_embeddings
+4096), so prompt + response must fit 4096. The prompt budget is 1024 tokens
+as in Oat-Zero / Dr. GRPO's published script for this model
+(sail-sg/understand-r1-zero, examples/qwen2.5-math-7b.sh:
+--prompt_max_length 1024 --generate_max_length 3000, lr 1e-6 constant).
+The response budget, 3072 = 4096 - 1024 (the rest of the context), and
+the 512-token soft overlong buffer (DAPO's 4096 of 20480 scaled to this
+budget, rounded) are our choices. DAPO's own verl script for this model
+(verl recipe/dapo/test_dapo_7b_math.sh) instead uses 2048 + 8192 tokens
+with a 4096 buffer by overriding max_position_embeddings to 32768, which
+runs the model beyond its trained context.
 """
 import os
 import runpy
@@ -30,7 +43,7 @@ common = types.SimpleNamespace(**runpy.run_path(
 
 
 def get_config(arg=None):
-  c = common.paper_config(
+  c, args = common.paper_config(
       arg, "configs/qwen25_math_7b_dapo17k.py",
       model_type="qwen2", vocab_size=152064, hidden_size=3584,
       intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
@@ -45,5 +58,10 @@ def get_config(arg=None):
       dedup=True,  # the public copy repeats each prompt ~100 times
       template="answer",  # ba_jax.data.format_prompt: DAPO's Answer: prompt
       rule="answer",  # ba_jax.rewards rule: the last "Answer:" line
+      max_prompt_len=1024,  # prompt tokens, left-padded (see the docstring)
   )
+  # 1024 + 3072 = the model's 4096-token context (see the docstring).
+  c.rl.update(max_new_tokens=3072, overlong_buffer=512)
+  if args.get("runlocal"):
+    common.runlocal(c)
   return c

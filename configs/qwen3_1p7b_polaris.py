@@ -9,11 +9,24 @@ Every worker of a TPU pod runs it (experiments/launch/tpu_pod.sh); check
 memory first with ``python -m ba_jax.dry_run`` and the same flags (README).
 
 Variants: ``:agg=<mode>`` (token | sequence | dr_grpo | balanced, the
-default) and ``:param_dtype=<dtype>`` (e.g. float32 master weights: ~28 GB for
-the whole model with its AdamW moments before sharding). The recipe both
-paper configs share (DAPO's where the paper is silent), and why float32
-master weights can matter at lr 1e-6, are ``dapo_recipe`` in
-configs/common.py. The model fields describe Qwen3-1.7B for the dry run; a
+default), ``:param_dtype=<dtype>`` (float32 master weights by default: ~28 GB
+for the whole model with its AdamW moments before sharding) and
+``:runlocal`` (a few steps on this CPU: a tiny random qwen3 model on the
+bundled synthetic task, ``configs/common.py:runlocal``)::
+
+    python -m ba_jax.train --config=configs/qwen3_1p7b_polaris.py:runlocal \\
+        --workdir=/tmp/runlocal_1p7b
+
+The recipe both paper configs share (DAPO's where the paper is silent),
+with its citation and how its warm-up was converted, is ``dapo_recipe`` in
+configs/common.py.
+
+Lengths: a 2048-token prompt and a 20480-token response with a 4096-token
+soft overlong buffer, DAPO's published lengths (the DAPO paper's recipe;
+Qwen3-1.7B's 40960-token context holds them). Polaris's own recipe trains
+with longer, staged response budgets for Qwen3-4B; we did not verify a
+published Polaris script for Qwen3-1.7B, so these lengths are our choice
+(DAPO's), not a Polaris citation. The model fields describe Qwen3-1.7B for the dry run; a
 run takes the architecture from ``init_from``'s config.json.
 
 Polaris-specific: prompts end in the \\boxed{} instruction and answers
@@ -31,7 +44,7 @@ common = types.SimpleNamespace(**runpy.run_path(
 
 
 def get_config(arg=None):
-  c = common.paper_config(
+  c, args = common.paper_config(
       arg, "configs/qwen3_1p7b_polaris.py",
       model_type="qwen3", vocab_size=151936, hidden_size=2048,
       intermediate_size=6144, num_layers=28, num_heads=16, num_kv_heads=8,
@@ -52,5 +65,9 @@ def get_config(arg=None):
       # "chat" wraps the same text in the tokenizer's chat template.
       template="boxed",
       rule="boxed",  # ba_jax.rewards rule: the last \\boxed{...}
+      max_prompt_len=2048,  # prompt tokens, left-padded
   )
+  c.rl.update(max_new_tokens=20480, overlong_buffer=4096)  # DAPO's
+  if args.get("runlocal"):
+    common.runlocal(c)
   return c

@@ -12,6 +12,7 @@ scores and mixing, causal mask not discounted, as in the PaLM paper).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import pathlib
@@ -63,8 +64,8 @@ def model_flops_per_token(c: ModelConfig, seq: int) -> tuple[float, int, int]:
   return 6 * matmul + 12 * c.num_layers * seq * H * D, total, matmul
 
 
-def run(steps: int, batch: int, seq: int) -> dict:
-  config = BENCH_CONFIG
+def run(steps: int, batch: int, seq: int, scan_unroll: int = 1) -> dict:
+  config = dataclasses.replace(BENCH_CONFIG, scan_unroll=scan_unroll)
   model = Decoder(config, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
   n_params = sum(p.size for p in jax.tree.leaves(params))
@@ -133,11 +134,12 @@ def main():
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--batch", type=int, default=2)
   parser.add_argument("--seq", type=int, default=512)
+  parser.add_argument("--scan_unroll", type=int, default=1, help="model.scan_unroll")
   parser.add_argument("--out", default="experiments/results/model_bench.md")
   args = parser.parse_args()
-  result = run(args.steps, args.batch, args.seq)
+  result = run(args.steps, args.batch, args.seq, args.scan_unroll)
   command = (f"python experiments/bench_model.py --steps={args.steps} --batch={args.batch} --seq={args.seq} "
-             f"--out={args.out}")
+             f"--scan_unroll={args.scan_unroll} --out={args.out}")
   text = to_markdown(result, command)
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)

@@ -77,7 +77,9 @@ def test_tiny_flops_match_the_analytic_estimate(tiny_report):
   assert analytic["sample"] > analytic["sample_xla_counts"]
 
 
-def test_one_update_extrapolates_the_whole_step(tiny_report):
+def test_one_update_matches_the_whole_step(tiny_report):
+  """The whole step scans its updates, so XLA counts one update in both
+  programs; one_update only adds the rest of the batch to the arguments."""
   one = dry_run.dry_run(load("configs/tiny.py"), sample=False,
                         one_update=True)
   full = tiny_report["train_step"]
@@ -134,6 +136,7 @@ def test_7b_config_compiles_without_its_weights():
   compile on this machine; no array of the embedding's size is ever
   created, and the process stays far below the weights' size."""
   config = load("configs/qwen25_math_7b_dapo17k.py")
+  config.model.param_dtype = "bfloat16"  # the variant; float32 by default
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 4, 2
   config.task.max_prompt_len, config.rl.max_new_tokens = 8, 8
   config.rl.prompts_per_step, config.rl.group_size = 4, 2
@@ -171,6 +174,43 @@ def test_command_line(tmp_path):
   assert report["shapes"]["response_len"] == 24
   assert "sample" not in report
   assert "per device" in proc.stdout and "train_step" in proc.stdout
+  assert "v5e-8: train_step fits" in proc.stdout
+  assert "an estimate of an accelerator's" in proc.stdout
+
+
+def test_report_says_per_tpu_slice_whether_the_peak_fits(tiny_report):
+  """One line per named slice and program, judged against the chip's HBM;
+  a peak over it is reported as not fitting."""
+  text = dry_run.format_report(tiny_report)
+  for chip in dry_run.TPU_HBM_GIB:
+    line = next(l for l in text.splitlines() if l.strip().startswith(
+        f"{chip}-8:"))
+    assert "train_step fits" in line and "sample fits" in line
+  assert dry_run.ESTIMATE_NOTE in text
+  big = json.loads(json.dumps(tiny_report))
+  big["sample"]["memory"]["peak"] = 20 * 2**30
+  text = dry_run.format_report(big)
+  assert "v5e-8: train_step fits" in text
+  assert "sample does NOT fit (20 of 16 GiB)" in text
+  assert "v5p-8: train_step fits" in text and "sample fits (20 of 95" in text
+
+
+def test_dry_run_compiles_the_step_with_activation_constraints():
+  """The dry run compiles the trainer's step as the trainer jits it: with
+  the mesh's activation constraints, whose sharded residual stream leaves
+  fewer temporaries per device than the same step without them."""
+  from ba_jax import train_step as ts
+  config = load("configs/tiny.py")
+  config.mesh.data, config.mesh.fsdp = 2, 4
+  on = dry_run.dry_run(config, sample=False)["train_step"]["memory"]
+  original = ts.jit_train_step
+  try:
+    ts.jit_train_step = lambda **kw: original(
+        **{**kw, "mesh": None, "rules": None})
+    off = dry_run.dry_run(config, sample=False)["train_step"]["memory"]
+  finally:
+    ts.jit_train_step = original
+  assert on["temp"] < off["temp"], (on["temp"], off["temp"])
 
 
 LAUNCH = ROOT / "experiments" / "launch"

@@ -195,3 +195,25 @@ def test_config_errors_name_the_bad_value():
     ModelConfig("llama", 8, 8, 8, 1, 4, 3, 4)
   with pytest.raises(ValueError, match="dtype='float31'"):
     ModelConfig("llama", 8, 8, 8, 1, 2, 1, 4, dtype="float31")
+
+
+@pytest.mark.parametrize("unroll", [2, 3])
+def test_scan_unroll_changes_neither_logits_nor_gradients(unroll):
+  """model.scan_unroll only changes how the layer scan is compiled (3 does
+  not divide the 4 layers: lax.scan handles the remainder)."""
+  base = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                     num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, remat="full")
+  ids = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
+
+  def logits_and_grads(config):
+    graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)), nnx.Param)
+    loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(ids) ** 2)
+    return nnx.merge(graphdef, params)(ids), jax.grad(loss)(params)
+
+  want_logits, want_grads = logits_and_grads(base)
+  got_logits, got_grads = logits_and_grads(dataclasses.replace(base, scan_unroll=unroll))
+  np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+  for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+  with pytest.raises(ValueError, match="scan_unroll=0"):
+    dataclasses.replace(base, scan_unroll=0)

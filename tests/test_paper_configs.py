@@ -18,6 +18,12 @@ PAPER_CONFIGS = {
     "configs/qwen25_math_7b_dapo17k.py": (7.6e9, "qwen2"),
     "configs/qwen3_1p7b_polaris.py": (1.7e9, "qwen3"),
 }
+# config file -> (prompt, response, soft overlong buffer) tokens; see each
+# config's docstring for where they come from.
+PAPER_LENGTHS = {
+    "configs/qwen25_math_7b_dapo17k.py": (1024, 3072, 512),
+    "configs/qwen3_1p7b_polaris.py": (2048, 20480, 4096),
+}
 
 
 def load(path: str, arg: str = "", overrides=()):
@@ -60,8 +66,10 @@ def test_unknown_variant_is_named(path):
 
 
 def test_param_dtype_variant(path):
-  config = load(path, "param_dtype=float32")
-  assert config.model.param_dtype == "float32"
+  """Float32 master weights with bfloat16 compute by default."""
+  assert load(path).model.param_dtype == "float32"
+  config = load(path, "param_dtype=bfloat16")
+  assert config.model.param_dtype == "bfloat16"
   assert config.model.dtype == "bfloat16"
 
 
@@ -81,14 +89,20 @@ def test_recipe(path):
   rl, optim, loss = c.rl, c.optim, c.loss
   assert (rl.prompts_per_step, rl.group_size, rl.num_minibatches) == (512, 16, 16)
   assert rl.prompts_per_step // rl.num_minibatches == 32
-  assert (rl.max_new_tokens, rl.overlong, rl.overlong_buffer) == (20480, "soft", 4096)
+  prompt, response, buffer = PAPER_LENGTHS[path]
+  assert (c.task.max_prompt_len, rl.max_new_tokens) == (prompt, response)
+  assert (rl.overlong, rl.overlong_buffer) == ("soft", buffer)
+  assert prompt + response <= c.model.max_position_embeddings
   assert rl.overlong_penalty == 1.0 and rl.dynamic_sampling
   assert (rl.temperature, rl.top_p) == (1.0, 1.0)
-  assert (optim.learning_rate, optim.warmup_steps, optim.schedule) == (1e-6, 10, "constant")
+  # verl's 10 warm-up RL steps, each ppo_epochs x num_minibatches updates.
+  assert (optim.learning_rate, optim.warmup_steps, optim.schedule) == (1e-6, 160, "constant")
   assert (optim.weight_decay, optim.grad_clip) == (0.1, 1.0)
   assert (loss.eps_low, loss.eps_high, loss.kl_coef) == (0.2, 0.28, 0.0)
   assert c.sft.steps == 0
-  assert c.model.dtype == c.model.param_dtype == "bfloat16"
+  assert (c.model.dtype, c.model.param_dtype) == ("bfloat16", "float32")
+  assert (c.model.remat, c.model.attention_impl) == ("full", "auto")
+  assert dict(c.mesh) == dict(data=-1, fsdp=16, tensor=4)
   assert c.init_from and c.task.path  # placeholders the user replaces
   # 512 prompts x 16 responses split into whole groups, micro-batches and
   # the 16 batch shards of the pod mesh on 64 devices.
@@ -104,7 +118,7 @@ def test_model_fields_build_the_model_of_the_stated_size(path):
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
   count = sum(int(np.prod(x.shape)) for x in leaves)
   assert abs(count / expected - 1) < 0.03, (path, count)
-  assert {x.dtype for x in leaves} == {jax.numpy.dtype("bfloat16")}
+  assert {x.dtype for x in leaves} == {jax.numpy.dtype("float32")}
 
 
 def test_model_fields_match_the_hf_config_json(path):
@@ -166,10 +180,11 @@ def test_paper_config_trains_a_step_from_any_llama_checkpoint(
     llama_checkpoint, tmp_path):
   """configs/qwen3_1p7b_polaris.py on a tiny Llama checkpoint, with only
   init_from, the data paths and CPU_SHRINK set: the architecture comes from
-  the checkpoint, the weights in the config's bfloat16 param_dtype."""
+  the checkpoint, the weights in the variant's bfloat16 param_dtype."""
   from ba_jax import trainer
   overrides = _paper_overrides(llama_checkpoint)
-  config = load("configs/qwen3_1p7b_polaris.py", overrides=overrides)
+  config = load("configs/qwen3_1p7b_polaris.py", "param_dtype=bfloat16",
+                overrides=overrides)
   assert config.model.model_type == "qwen3"  # the config file's own
   out = trainer.run(config, str(tmp_path), explicit={
       o.split("=")[0][len("--config."):] for o in overrides})
@@ -193,10 +208,12 @@ def test_init_from_loads_in_param_dtype(llama_checkpoint):
   """init_from honours model.param_dtype, as a resume does: a float32
   checkpoint becomes bfloat16 parameters, equal after rounding."""
   from safetensors.numpy import load_file
-  config = load("configs/qwen3_1p7b_polaris.py",
-                overrides=_paper_overrides(llama_checkpoint))
+  config = load("configs/qwen3_1p7b_polaris.py", "param_dtype=bfloat16",
+                overrides=_paper_overrides(llama_checkpoint,
+                                           "--config.model.logprob_chunk=64"))
   setup = run_setup.make_setup(config)
   assert setup.model_config.param_dtype == "bfloat16"
+  assert setup.model_config.logprob_chunk == 64  # a runtime field
   params = run_setup.init_params(setup)
   from ba_jax import hf
   (spec,) = [w for w in hf.weight_specs(setup.model_config)
@@ -245,3 +262,23 @@ def test_command_line_names_a_conflicting_override(llama_checkpoint,
   assert "model.num_layers=28" in proc.stderr
   assert "num_layers=2" in proc.stderr
   assert not list(tmp_path.iterdir())  # nothing ran
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_file", sorted(PAPER_CONFIGS))
+def test_runlocal_variant_trains_on_this_cpu(config_file, tmp_path):
+  """``:runlocal``: a tiny random model of the config's own family, no
+  init_from, the bundled synthetic task; two RL steps (warm-up shortened
+  here only to keep the test fast) with the recipe's loss and shaping."""
+  from ba_jax import trainer
+  config = load(config_file, "runlocal", overrides=["--config.sft.steps=2"])
+  family = load(config_file).model
+  assert config.model.model_type == family.model_type
+  assert config.model.qk_norm == family.qk_norm
+  assert config.model.attention_bias == family.attention_bias
+  assert config.init_from == "" and config.task.name == "synthetic_sum"
+  assert config.rl.overlong == "soft" and config.rl.dynamic_sampling
+  out = trainer.run(config, str(tmp_path))
+  assert out["step"] == config.rl.steps == 2 and out["stopped"] is None
+  assert all(np.isfinite(r["loss"]) and r["nonfinite"] == 0
+             for r in out["history"])
