@@ -161,6 +161,8 @@ def judge_extracted(raw: str | None, raw_truth: str, *, timeout_s: int | None = 
   match or math-verify finds the raw or the normalised forms equivalent (the DAPO
   normalisation can mangle LaTeX such as `\\left(`, so the raw forms go first).
   `timeout_s` (math-verify's signal timeouts) only works on the main thread."""
+  if timeout_s is None:  # the caller bounds the time; math-verify would warn on every parse
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
   answer = normalize_answer(raw) if raw is not None else None
   if not answer:
     return False, None
