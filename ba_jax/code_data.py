@@ -72,11 +72,7 @@ def is_code_benchmark(name: str) -> bool:
 
 
 def canonical_code_name(name: str) -> str:
-  key = name.strip().lower()
-  key = _ALIASES.get(key, key)
-  if key not in CODE_SETS:
-    raise ValueError(f"unknown code benchmark {name!r}; expected one of {list(CODE_SETS)}")
-  return key
+  return data_lib.canonical_name(name, _ALIASES, CODE_SETS, "code benchmark")
 
 
 def _fail(path, row, field, problem):

@@ -273,12 +273,17 @@ _ALIASES = {"aime_2024": "aime24", "aime2024": "aime24", "aime_2025": "aime25",
             "olympiad_bench": "olympiadbench", "olympiad": "olympiadbench"}
 
 
-def canonical_eval_name(name: str) -> str:
+def canonical_name(name: str, aliases: dict, known, what: str) -> str:
+  """`name` lower-cased and de-aliased; an error naming `what` and the `known` names if unknown."""
   key = name.strip().lower()
-  key = _ALIASES.get(key, key)
-  if key not in EVAL_SETS:
-    raise ValueError(f"unknown evaluation set {name!r}; expected one of {sorted(EVAL_SETS)}")
+  key = aliases.get(key, key)
+  if key not in known:
+    raise ValueError(f"unknown {what} {name!r}; expected one of {sorted(known)}")
   return key
+
+
+def canonical_eval_name(name: str) -> str:
+  return canonical_name(name, _ALIASES, EVAL_SETS, "evaluation set")
 
 
 def _answer_from_solution(solution: str) -> str | None:
