@@ -251,7 +251,11 @@ def _loop(r: _Run, state, meta) -> dict:
     if reason is not None:
       r.log(f"stopping at step {step} ({reason}); checkpoint saved")
   r.note(logger.flush())
-  reason = reason or r.stop_reason()
+  if reason is None:
+    reason = r.stop_reason()
+    if reason is not None:  # SIGTERM after the last step's checkpoint
+      r.log(f"stopping after the last step {step} ({reason}); its checkpoint "
+            "is saved and the final evaluation runs on restart")
   out = {"stopped": reason, "step": step}
   if reason is StopReason.NONFINITE:
     r.log(f"{r.nonfinite_streak} steps in a row with a non-finite loss or "
