@@ -178,6 +178,11 @@ def dry_run(config, *, devices=None, sample: bool = True,
     and per program the per-device memory (bytes), XLA FLOPs per device and
     compile seconds.
   """
+  if config.model.get("scan_unroll", 1) == 0:
+    # "auto" would unroll every layer on these CPU devices; the dry run
+    # compiles what the accelerator runs: one layer body per scan step.
+    config = config.copy_and_resolve_references()
+    config.model.scan_unroll = 1
   setup = run_setup.make_setup(config, abstract=True, devices=devices)
   mesh, rules, rl = setup.mesh, setup.rules, setup.config.rl
   model_config = setup.model_config

@@ -70,8 +70,10 @@ class ModelConfig:
   attention_block: int = dataclasses.field(default=512, compare=False)  # blockwise tile (queries, keys)
   logprob_chunk: int = dataclasses.field(default=512, compare=False)  # scoring: tokens per LM-head chunk
   # Layer bodies per iteration of the uncached forward's lax.scan (1: one body, the smallest
-  # program; more trades compile time and code size for fewer loop iterations).
-  scan_unroll: int = dataclasses.field(default=1, compare=False)
+  # program; more trades compile time and code size for fewer loop iterations). 0 ("auto"): every
+  # layer on XLA:CPU, where the scan's loop costs ~10% of a fwd+bwd step against the unrolled
+  # layers (experiments/results/model_bench.md), and 1 on accelerators. See `layer_unroll`.
+  scan_unroll: int = dataclasses.field(default=0, compare=False)
 
   def __post_init__(self):
     if isinstance(self.remat, bool):  # configs written before remat policies
@@ -80,8 +82,9 @@ class ModelConfig:
       raise ValueError(f"remat={self.remat!r} is not supported; expected one of {REMAT_POLICIES} (or a bool)")
     if not isinstance(self.logprob_chunk, int) or self.logprob_chunk < 1:
       raise ValueError(f"logprob_chunk={self.logprob_chunk!r}; expected a positive int (tokens per chunk)")
-    if not isinstance(self.scan_unroll, int) or self.scan_unroll < 1:
-      raise ValueError(f"scan_unroll={self.scan_unroll!r}; expected a positive int (layers per scan step)")
+    if not isinstance(self.scan_unroll, int) or self.scan_unroll < 0:
+      raise ValueError(f"scan_unroll={self.scan_unroll!r}; expected a positive int (layers per scan step) "
+                       "or 0 (auto: all layers on CPU, 1 elsewhere)")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"attention_impl={self.attention_impl!r} is not supported; expected one of {ATTENTION_IMPLS}")
     if not isinstance(self.attention_block, int) or self.attention_block < 1:
@@ -303,6 +306,14 @@ class DecoderLayer(nnx.Module):
 RESIDUAL_AXES = ("activation_batch", "length", "activation_embed")
 
 
+def layer_unroll(config: ModelConfig, backend: str | None = None) -> int:
+  """Layer bodies per scan iteration: `config.scan_unroll`, or for 0 ("auto") every layer on CPU
+  and 1 on an accelerator (`backend`: default `jax.default_backend()`)."""
+  if config.scan_unroll:
+    return config.scan_unroll
+  return config.num_layers if (backend or jax.default_backend()) == "cpu" else 1
+
+
 def _remat(fn, policy: str):
   if policy == "none":
     return fn
@@ -363,7 +374,9 @@ class Decoder(nnx.Module):
                     cache: KVCache | None = None, attention_mask=None, layers: tuple | None = None):
     """The final-norm hidden states [B,L,E] that the LM head reads, and the updated cache (or None).
 
-    `layers`: `self.layer_slices()`, taken once outside a decode loop (cached path only)."""
+    `layers`: `self.layer_slices()` (or per-layer modules), taken once outside a decode loop; on the
+    uncached path they run in an unrolled Python loop instead of the layer scan (the pre-scan program,
+    which `experiments/bench_model.py` times against the scan)."""
     if attention_mask is not None:
       if attention_mask_BxL is not None:
         raise ValueError("pass the attention mask once, as attention_mask_BxL or attention_mask, not both")
@@ -391,7 +404,12 @@ class Decoder(nnx.Module):
 
     x = self.embed_tokens[...][input_ids_BxL].astype(dt)
     x = sharding_lib.constrain(x, RESIDUAL_AXES)
-    if cache is None:
+    if cache is None and layers is not None:  # unrolled: one program body per layer
+      for layer in layers:
+        x, _ = _remat(lambda x, layer=layer: layer(x, cos, sin, mask_BxL), c.remat)(x)
+        x = sharding_lib.constrain(x, RESIDUAL_AXES)
+      new_cache = None
+    elif cache is None:
       graphdef, layer_state = nnx.split(self.layers)
 
       def body(x, state):
@@ -399,7 +417,7 @@ class Decoder(nnx.Module):
         return sharding_lib.constrain(x, RESIDUAL_AXES), None
 
       # Remat only pays in a backward pass; the cached (sampling) path has none.
-      x, _ = jax.lax.scan(_remat(body, c.remat), x, layer_state, unroll=c.scan_unroll)
+      x, _ = jax.lax.scan(_remat(body, c.remat), x, layer_state, unroll=layer_unroll(c))
       new_cache = None
     else:
       new_k, new_v = [], []

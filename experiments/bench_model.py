@@ -64,36 +64,106 @@ def model_flops_per_token(c: ModelConfig, seq: int) -> tuple[float, int, int]:
   return 6 * matmul + 12 * c.num_layers * seq * H * D, total, matmul
 
 
-def run(steps: int, batch: int, seq: int, scan_unroll: int = 1) -> dict:
+def _step_fn(model: Decoder, layers: str):
+  """(jitted value-and-grad step, its differentiated arguments).
+
+  layers="scan": the model as it is (one `lax.scan` over the stacked layers).
+  layers="loop": the pre-scan program: every layer's parameters are their own arrays (sliced
+  from the stack once, outside the step) and the layers run in an unrolled Python loop.
+  """
+  graphdef, params = nnx.split(model, nnx.Param)
+  _, stacked = nnx.split(model.layers, nnx.Param)
+  xent = lambda logits, ids: optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
+  if layers == "scan":
+    return jax.jit(jax.value_and_grad(lambda p, ids: xent(nnx.merge(graphdef, p)(ids), ids))), (params,)
+  layer_def, _ = nnx.split(model.layer_slices()[0], nnx.Param)
+  per_layer = tuple(nnx.split(layer, nnx.Param)[1] for layer in model.layer_slices())
+  per_layer = jax.tree.map(lambda x: jnp.array(x, copy=True), per_layer)  # own buffers
+
+  def loss_fn(params, per_layer, ids):
+    model = nnx.merge(graphdef, params)
+    return xent(model(ids, layers=tuple(nnx.merge(layer_def, s) for s in per_layer)), ids)
+
+  # The stacked layer parameters are passed but neither read nor differentiated.
+  return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1))), (params, per_layer)
+
+
+def run(steps: int, batch: int, seq: int, scan_unroll: int = 0, layers: str = "scan") -> dict:
   config = dataclasses.replace(BENCH_CONFIG, scan_unroll=scan_unroll)
   model = Decoder(config, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(model, nnx.Param)
-  n_params = sum(p.size for p in jax.tree.leaves(params))
-
-  def loss_fn(params, ids_BxL):
-    logits = nnx.merge(graphdef, params)(ids_BxL)
-    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids_BxL[:, 1:]).mean()
-
-  step = jax.jit(jax.value_and_grad(loss_fn))
+  n_params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  step_fn, args = _step_fn(model, layers)
+  step = lambda *a: step_fn(*a)
   ids = jax.random.randint(jax.random.key(2), (batch, seq), 0, config.vocab_size)
+  args = (*args, ids)
   start = time.perf_counter()
-  jax.block_until_ready(step(params, ids))
+  jax.block_until_ready(step(*args))
   compile_s = time.perf_counter() - start
   peak_before, n_before = matmul_peak_flops()
   times = []
   for _ in range(steps):
     start = time.perf_counter()
-    jax.block_until_ready(step(params, ids))
+    jax.block_until_ready(step(*args))
     times.append(time.perf_counter() - start)
   peak, peak_n = max((peak_before, n_before), matmul_peak_flops())
   flops_token, total, matmul = model_flops_per_token(config, seq)
   assert total == n_params, (total, n_params)
   step_s = min(times)  # best of: the least disturbed by other processes, like the peak
   tokens_s = batch * seq / step_s
-  return dict(config=config, n_params=n_params, matmul_params=matmul, batch=batch, seq=seq, steps=steps,
+  return dict(layers=layers, config=config, n_params=n_params, matmul_params=matmul, batch=batch, seq=seq, steps=steps,
               step_times=times, step_s=step_s, compile_s=compile_s, tokens_s=tokens_s,
               flops_token=flops_token, achieved=tokens_s * flops_token, peak=peak, peak_n=peak_n,
               mfu=tokens_s * flops_token / peak)
+
+
+def compare_layers(steps: int, batch: int, seq: int) -> dict:
+  """The scanned stack against the pre-scan unrolled loop, in one process: both compiled first,
+  then their timed steps alternate (loop, scan, loop, scan, ...), so a load change hits both."""
+  ids = jax.random.randint(jax.random.key(2), (batch, seq), 0, BENCH_CONFIG.vocab_size)
+  sides = {}
+  for name, layers, unroll in (("loop", "loop", 1), ("scan, scan_unroll=1", "scan", 1),
+                               ("scan, scan_unroll=0 (auto)", "scan", 0)):
+    model = Decoder(dataclasses.replace(BENCH_CONFIG, scan_unroll=unroll), rngs=nnx.Rngs(0))
+    step, args = _step_fn(model, layers)
+    start = time.perf_counter()
+    loss, _ = jax.block_until_ready(step(*args, ids))
+    sides[name] = dict(step=step, args=(*args, ids), compile_s=time.perf_counter() - start,
+                         loss=float(loss), times=[])
+  for _ in range(steps):
+    for side in sides.values():
+      start = time.perf_counter()
+      jax.block_until_ready(side["step"](*side["args"]))
+      side["times"].append(time.perf_counter() - start)
+  best = {k: min(v["times"]) for k, v in sides.items()}
+  return dict(batch=batch, seq=seq, steps=steps, sides=sides, best=best,
+              ratios={k: v / best["loop"] for k, v in best.items() if k != "loop"},
+              load=os.getloadavg()[0])
+
+
+def compare_markdown(r: dict, command: str) -> str:
+  ratios = "\n".join(f"- **{k} / loop step time: {v:.3f}** ({100 * (v - 1):+.1f}%)"
+                     for k, v in r["ratios"].items())
+  rows = "\n".join(
+      f"| {name} | {r['best'][name]:.2f} | {', '.join(f'{t:.2f}' for t in side['times'])} | "
+      f"{side['compile_s']:.1f} | {side['loss']:.6f} |" for name, side in r["sides"].items())
+  return f"""
+## Scanned layers against the pre-scan unrolled loop
+
+Produced by `{command}` on {datetime.date.today().isoformat()}; 1-minute load average at the end:
+{r['load']:.1f}. Same model and weights, batch {r['batch']} x seq {r['seq']}, fwd+bwd. "loop" is the
+program before the layers were stacked: each layer's parameters are their own arrays and the
+layers run in an unrolled Python loop (`Decoder(...)(ids, layers=per_layer_modules)`); "scan" is
+the model as it is (`lax.scan` over the stacked layers) with one layer body per loop iteration
+(`model.scan_unroll=1`, what accelerators run) and with the default `scan_unroll=0` (auto: on
+XLA:CPU the scan is unrolled over every layer). All are compiled first, then their
+{r['steps']} timed steps alternate.
+
+| layers | best step (s) | all steps (s) | compile (s) | loss |
+|---|---|---|---|---|
+{rows}
+
+{ratios}
+"""
 
 
 def to_markdown(r: dict, command: str) -> str:
@@ -134,13 +204,19 @@ def main():
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--batch", type=int, default=2)
   parser.add_argument("--seq", type=int, default=512)
-  parser.add_argument("--scan_unroll", type=int, default=1, help="model.scan_unroll")
+  parser.add_argument("--scan_unroll", type=int, default=0, help="model.scan_unroll (0: auto)")
   parser.add_argument("--out", default="experiments/results/model_bench.md")
+  parser.add_argument("--compare_steps", type=int, default=0,
+                      help="also time the scanned layers against the unrolled loop, this many steps each")
   args = parser.parse_args()
   result = run(args.steps, args.batch, args.seq, args.scan_unroll)
   command = (f"python experiments/bench_model.py --steps={args.steps} --batch={args.batch} --seq={args.seq} "
              f"--scan_unroll={args.scan_unroll} --out={args.out}")
   text = to_markdown(result, command)
+  if args.compare_steps:
+    command += f" --compare_steps={args.compare_steps}"
+    text = text.replace(f"`{command.rsplit(' --compare', 1)[0]}`", f"`{command}`")
+    text += compare_markdown(compare_layers(args.compare_steps, args.batch, args.seq), command)
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(text)

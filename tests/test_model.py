@@ -10,6 +10,7 @@ import torch
 from flax import nnx
 
 from ba_jax import hf
+from ba_jax import model as model_lib
 from ba_jax.model import Decoder, ModelConfig, init_cache
 from model_utils import KINDS, left_padded_batch, make_hf_model, save_tiny_model, torch_logits
 
@@ -197,12 +198,14 @@ def test_config_errors_name_the_bad_value():
     ModelConfig("llama", 8, 8, 8, 1, 2, 1, 4, dtype="float31")
 
 
-@pytest.mark.parametrize("unroll", [2, 3])
+@pytest.mark.parametrize("unroll", [0, 2, 3, "loop"])
 def test_scan_unroll_changes_neither_logits_nor_gradients(unroll):
   """model.scan_unroll only changes how the layer scan is compiled (3 does
-  not divide the 4 layers: lax.scan handles the remainder)."""
+  not divide the 4 layers: lax.scan handles the remainder; 0 is auto, every
+  layer here on CPU); "loop": per-layer modules passed as `layers=` run in a
+  Python loop (the pre-scan program that bench_model times the scan against)."""
   base = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
-                     num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, remat="full")
+                     num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, remat="full", scan_unroll=1)
   ids = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
 
   def logits_and_grads(config):
@@ -210,10 +213,31 @@ def test_scan_unroll_changes_neither_logits_nor_gradients(unroll):
     loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(ids) ** 2)
     return nnx.merge(graphdef, params)(ids), jax.grad(loss)(params)
 
+  def loop_logits_and_grads(config):
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    layer_def = nnx.split(model.layer_slices()[0], nnx.Param)[0]
+    per_layer = tuple(nnx.split(layer, nnx.Param)[1] for layer in model.layer_slices())
+
+    def logits(params, per_layer):
+      layers = tuple(nnx.merge(layer_def, s) for s in per_layer)
+      return nnx.merge(graphdef, params)(ids, layers=layers)
+    grads = jax.grad(lambda pl: jnp.mean(logits(params, pl) ** 2))(per_layer)
+    stacked = jax.tree.map(lambda *g: jnp.stack(g), *grads)  # per-layer grads, as the stack's
+    return logits(params, per_layer), stacked
+
   want_logits, want_grads = logits_and_grads(base)
-  got_logits, got_grads = logits_and_grads(dataclasses.replace(base, scan_unroll=unroll))
+  if unroll == "loop":
+    got_logits, got_grads = loop_logits_and_grads(base)
+    want_grads = want_grads["layers"]
+  else:
+    got_logits, got_grads = logits_and_grads(dataclasses.replace(base, scan_unroll=unroll))
   np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
   for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
-  with pytest.raises(ValueError, match="scan_unroll=0"):
-    dataclasses.replace(base, scan_unroll=0)
+  assert len(jax.tree.leaves(got_grads)) == len(jax.tree.leaves(want_grads))
+  with pytest.raises(ValueError, match="scan_unroll=-1"):
+    dataclasses.replace(base, scan_unroll=-1)
+  auto = dataclasses.replace(base, scan_unroll=0)
+  assert (model_lib.layer_unroll(auto, "cpu"), model_lib.layer_unroll(auto, "tpu"),
+          model_lib.layer_unroll(base, "cpu")) == (4, 1, 1)
