@@ -166,6 +166,14 @@ XLA:CPU the scan is unrolled over every layer). All are compiled first, then the
 """
 
 
+def _load_note(load: float) -> str:
+  if load < 1.5:
+    return ("The machine was otherwise idle (load below 1.5 with this script running); the\n"
+            "figures are still CPU figures: rerun on a GPU/TPU for accelerator numbers.")
+  return ("**Other work shared the CPU cores while these figures were taken, so they are noisy\n"
+          "and a lower bound**; rerun the command on an idle machine for clean numbers.")
+
+
 def to_markdown(r: dict, command: str) -> str:
   c = r["config"]
   return f"""# Decoder forward+backward benchmark
@@ -173,9 +181,7 @@ def to_markdown(r: dict, command: str) -> str:
 Produced by `{command}` on {datetime.date.today().isoformat()}.
 
 Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores visible, jax {jax.__version__}
-on {jax.devices()[0].platform}; 1-minute load average at the end of the run: {os.getloadavg()[0]:.1f}. **The 2 CPU cores were shared with other engineers' test runs while
-these figures were taken, so they are noisy and a lower bound**; rerun the command on an idle
-machine (or a GPU/TPU) for clean numbers.
+on {jax.devices()[0].platform}; 1-minute load average at the end of the run: {os.getloadavg()[0]:.1f}. {_load_note(os.getloadavg()[0])}
 
 Model: {c.model_type}, {r['n_params'] / 1e6:.1f}M parameters ({r['matmul_params'] / 1e6:.1f}M in matmuls),
 hidden {c.hidden_size}, {c.num_layers} layers, {c.num_heads} heads / {c.num_kv_heads} kv heads of {c.head_dim},
