@@ -36,13 +36,15 @@ def resolve_impl(impl: str, *, head_dim: int, dtype, backend: str | None = None)
   return "blockwise"
 
 
-def full_attention(q_BxLxHxD, k, v, allowed_BxLxS, kv_axes: str = "bskd"):
-  """Softmax attention with one [L, S] score matrix; `kv_axes` "bskd" or "bksd" (the cache layout)."""
+def full_attention(q_BxLxHxD, k, v, allowed_BxLxS, kv_axes: str = "bskd", k_axes: str | None = None):
+  """Softmax attention with one [L, S] score matrix; `kv_axes` "bskd" or "bksd" (the values' layout),
+  `k_axes` the keys' ("bkds" in the KV cache; default `kv_axes`)."""
+  k_axes = k_axes or kv_axes
   B, L, H, D = q_BxLxHxD.shape
-  K = k.shape[kv_axes.index("k")]
+  K = k.shape[k_axes.index("k")]
   dt = q_BxLxHxD.dtype
   q_BxLxKxGxD = q_BxLxHxD.reshape(B, L, K, H // K, D)
-  scores = jnp.einsum(f"blkgd,{kv_axes}->bkgls", q_BxLxKxGxD, k.astype(dt),
+  scores = jnp.einsum(f"blkgd,{k_axes}->bkgls", q_BxLxKxGxD, k.astype(dt),
                       preferred_element_type=jnp.float32) * (D ** -0.5)
   scores = jnp.where(allowed_BxLxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(dt)

@@ -1,8 +1,13 @@
 """The decode KV cache: layout, writes at a shared or per-row position, slot reset.
 
-Layout per layer: keys/values `[B, num_kv_heads, S, head_dim]` (the kv-head axis
-before the sequence axis, so a decode step's attention reads each head's keys
-contiguously; PITFALLS.md: 30-43% faster than `[B, S, K, D]` on CPU), a mask
+Layout per layer: keys `[B, num_kv_heads, head_dim, S]` and values
+`[B, num_kv_heads, S, head_dim]` (the kv-head axis before the sequence axis, so
+a decode step's attention reads each head's entries contiguously; PITFALLS.md:
+30-43% faster than `[B, S, K, D]` on CPU). Keys are stored transposed so that
+both attention matmuls (q.K and p.V) contract a row-major operand's leading
+axis: XLA:CPU ran `einsum("bkgd,bksd->bkgs")` ~14x slower than the same
+product against `[B, K, D, S]` keys (23.0 vs 1.6 ms for 128 rows x 287
+positions, 4 kv heads of 64: experiments/results/engine_bench.md). Then a mask
 `[B, S]` (1 where a real token was written) and `index`, the next slot to write:
 
 - a scalar: every row writes at the same position (the static sampler, which
@@ -25,7 +30,8 @@ import numpy as np
 
 @flax.struct.dataclass
 class KVCache:
-  """Per-layer keys/values [B,num_kv_heads,S,head_dim]; mask [B,S]; index = next slot ([] or [B])."""
+  """Per-layer keys [B,num_kv_heads,head_dim,S] and values [B,num_kv_heads,S,head_dim]; mask [B,S];
+  index = next slot ([] or [B])."""
   k: tuple
   v: tuple
   mask: jax.Array
@@ -35,10 +41,11 @@ class KVCache:
 def init_cache(config, batch_size: int, max_len: int, dtype=None, *, per_row: bool = False) -> KVCache:
   """An empty cache of `max_len` positions per row; `per_row` gives each row its own write index."""
   dtype = jnp.dtype(dtype or config.dtype)
-  shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
+  k_shape = (batch_size, config.num_kv_heads, config.head_dim, max_len)
+  v_shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
   index = jnp.zeros((batch_size,) if per_row else (), jnp.int32)
-  return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-                 v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+  return KVCache(k=tuple(jnp.zeros(k_shape, dtype) for _ in range(config.num_layers)),
+                 v=tuple(jnp.zeros(v_shape, dtype) for _ in range(config.num_layers)),
                  mask=jnp.zeros((batch_size, max_len), jnp.int32), index=index)
 
 
@@ -79,13 +86,14 @@ def _write_rows(buffer, update, index_B, axis: int):
 
 
 def write_kv(cache_k, cache_v, k_BxLxKxD, v_BxLxKxD, index):
-  """Writes a step's keys/values [B,L,K,D] into one layer's [B,K,S,D] cache at `index`."""
-  k = k_BxLxKxD.transpose(0, 2, 1, 3).astype(cache_k.dtype)
+  """Writes a step's keys/values [B,L,K,D] into one layer's [B,K,D,S] keys and [B,K,S,D] values
+  at `index`."""
+  k = k_BxLxKxD.transpose(0, 2, 3, 1).astype(cache_k.dtype)
   v = v_BxLxKxD.transpose(0, 2, 1, 3).astype(cache_v.dtype)
   if jnp.ndim(index) == 0:
-    start = (0, 0, index, 0)
-    return jax.lax.dynamic_update_slice(cache_k, k, start), jax.lax.dynamic_update_slice(cache_v, v, start)
-  return _write_rows(cache_k, k, index, axis=2), _write_rows(cache_v, v, index, axis=2)
+    return (jax.lax.dynamic_update_slice(cache_k, k, (0, 0, 0, index)),
+            jax.lax.dynamic_update_slice(cache_v, v, (0, 0, index, 0)))
+  return _write_rows(cache_k, k, index, axis=3), _write_rows(cache_v, v, index, axis=2)
 
 
 def extend(cache: KVCache, mask_BxL):
@@ -125,10 +133,11 @@ def fill_slots(cache: KVCache, slots_R, prefill: KVCache) -> KVCache:
   """
   M, S = cache.mask.shape
   P = prefill.mask.shape[1]
-  put = lambda big, small: big.at[slots_R, :, :P].set(small.astype(big.dtype), mode="drop")
+  put_k = lambda big, small: big.at[slots_R, :, :, :P].set(small.astype(big.dtype), mode="drop")
+  put_v = lambda big, small: big.at[slots_R, :, :P].set(small.astype(big.dtype), mode="drop")
   mask_RxS = jnp.pad(prefill.mask, ((0, 0), (0, S - P)))
   index_R = jnp.broadcast_to(prefill.index, slots_R.shape).astype(jnp.int32)
   index = jnp.broadcast_to(cache.index, (M,)).at[slots_R].set(index_R, mode="drop")
-  return KVCache(k=tuple(put(a, b) for a, b in zip(cache.k, prefill.k)),
-                 v=tuple(put(a, b) for a, b in zip(cache.v, prefill.v)),
+  return KVCache(k=tuple(put_k(a, b) for a, b in zip(cache.k, prefill.k)),
+                 v=tuple(put_v(a, b) for a, b in zip(cache.v, prefill.v)),
                  mask=cache.mask.at[slots_R].set(mask_RxS, mode="drop"), index=index)

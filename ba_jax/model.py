@@ -264,9 +264,9 @@ class Attention(nnx.Module):
       out, new_kv = attention_lib.attend(q, k, v, mask_BxL, impl=self.attention_impl,
                                          block=self.attention_block), None
     else:
-      k, v = kv_cache_lib.write_kv(*cache_kv, k, v, index)  # [B,K,S,D], at a shared or per-row index
+      k, v = kv_cache_lib.write_kv(*cache_kv, k, v, index)  # [B,K,D,S], [B,K,S,D]; shared or per-row index
       new_kv = (k, v)
-      out = attention_lib.full_attention(q, k, v, allowed_BxLxS, kv_axes="bksd")
+      out = attention_lib.full_attention(q, k, v, allowed_BxLxS, kv_axes="bksd", k_axes="bkds")
     out = jnp.einsum("blhd,hde->ble", out, self.o_proj[...].astype(self.dtype))
     if self.o_bias is not None:
       out = out + self.o_bias[...].astype(self.dtype)

@@ -203,12 +203,12 @@ def profile_step(model, s, lines):
       return cache, total + jnp.sum(logits)  # use the logits, so the LM head stays
     return jax.lax.fori_loop(0, steps, one, (cache, 0.0))
 
-  def cache_write(k, new, index):
+  def cache_write(k, v, new, index):
     def one(_, carry):
       k, v, index = carry
       k, v = kv_cache.write_kv(k, v, new, new, index)
       return k, v, index + 1
-    return jax.lax.fori_loop(0, steps, one, (k, k, index))
+    return jax.lax.fori_loop(0, steps, one, (k, v, index))
 
   old_draw = lambda l, k: jax.random.categorical(k, l, axis=-1)
 
@@ -224,7 +224,12 @@ def profile_step(model, s, lines):
   x = jax.random.normal(keys[3], (N, 1, c.hidden_size))
   head = jax.random.normal(keys[4], (c.hidden_size, c.vocab_size))
 
-  def attention(q, k, v, allowed):
+  def attention(q, k, v, allowed):  # keys [B,K,D,S] as the cache holds them
+    scores = jnp.einsum("blkgd,bkds->bkgls", q, k) * c.head_dim ** -0.5
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bkgls,bksd->blkgd", jax.nn.softmax(scores, -1), v)
+
+  def attention_ksd(q, k, v, allowed):  # the cache's key layout before: [B,K,S,D]
     scores = jnp.einsum("blkgd,bksd->bkgls", q, k) * c.head_dim ** -0.5
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     return jnp.einsum("bkgls,bksd->blkgd", jax.nn.softmax(scores, -1), v)
@@ -241,11 +246,13 @@ def profile_step(model, s, lines):
       ("greedy, ours now (block argmax) + log-prob",
        lambda l: sampler.draw_tokens(l, None, greedy=True), logits),
       ("greedy, jnp.argmax", lambda l: jnp.argmax(l, -1), logits),
-      ("cache write x 2 (k, v), one layer, per-row index", cache_write, cache.k[0], new_kv,
-       cache.index),
-      ("cache write x 2 (k, v), one layer, shared index", cache_write, cache.k[0], new_kv,
-       shared.index),
+      ("cache write x 2 (k, v), one layer, per-row index", cache_write, cache.k[0], cache.v[0],
+       new_kv, cache.index),
+      ("cache write x 2 (k, v), one layer, shared index", cache_write, cache.k[0], cache.v[0],
+       new_kv, shared.index),
       ("attention over the cache, one layer", attention, q, cache.k[0], cache.v[0], allowed),
+      ("attention over the cache, one layer, keys [B,K,S,D] (before)", attention_ksd, q,
+       jnp.swapaxes(cache.k[0], -1, -2), cache.v[0], allowed),
       ("LM head matmul [rows, hidden] x [hidden, vocab]", lambda x, h: x @ h, x, head),
   ]
   lines += [

@@ -167,7 +167,7 @@ def test_one_program_per_shape_and_bounded_cache(ours, monkeypatch):
     engine.lower(graphdef, abstract, prompts=prompts, prompt_len=16, group_size=8,
                  max_new_tokens=T, slots=3)
   c = ours.config
-  assert shapes == [((3, c.num_kv_heads, 15 + T, c.head_dim), c.num_layers)] * 2
+  assert shapes == [((3, c.num_kv_heads, c.head_dim, 15 + T), c.num_layers)] * 2  # keys [M,K,D,S]
 
 
 def test_sharded_on_8_devices_equals_one_device(checkpoint, ours, prompts, stop_ids):

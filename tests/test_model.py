@@ -129,7 +129,7 @@ def test_remat_gives_same_logits_and_gradients(checkpoints, remat):
 def test_remat_policy_sets_what_the_scanned_backward_keeps():
   """Under the layer scan the saved residuals are explicit, so XLA's temporaries follow the policy."""
   base = ModelConfig("qwen3", vocab_size=64, hidden_size=64, intermediate_size=256, num_layers=4, num_heads=4,
-                     num_kv_heads=2, head_dim=16, qk_norm=True)
+                     num_kv_heads=2, head_dim=16, qk_norm=True, scan_unroll=1)  # the scan, not auto's unroll
   ids = jnp.ones((4, 128), jnp.int32)
   temp = {}
   for policy in ("none", "dots_with_no_batch_dims_saveable", "full"):
