@@ -43,6 +43,15 @@ def full_attention(q_BxLxHxD, k, v, allowed_BxLxS, kv_axes: str = "bskd", k_axes
   B, L, H, D = q_BxLxHxD.shape
   K = k.shape[k_axes.index("k")]
   dt = q_BxLxHxD.dtype
+  if L == 1:
+    # A decode step: no unit query axis in the matmuls. XLA:CPU lowers them ~5x slower with it
+    # (21 vs 4.3 ms for 128 rows x 287 cached positions, 4 kv heads of 64).
+    q_BxKxGxD = q_BxLxHxD.reshape(B, K, H // K, D)
+    scores = jnp.einsum(f"bkgd,{k_axes}->bkgs", q_BxKxGxD, k.astype(dt),
+                        preferred_element_type=jnp.float32) * (D ** -0.5)
+    scores = jnp.where(allowed_BxLxS[:, 0, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    return jnp.einsum(f"bkgs,{kv_axes}->bkgd", probs, v.astype(dt)).reshape(B, 1, H, D)
   q_BxLxKxGxD = q_BxLxHxD.reshape(B, L, K, H // K, D)
   scores = jnp.einsum(f"blkgd,{k_axes}->bkgls", q_BxLxKxGxD, k.astype(dt),
                       preferred_element_type=jnp.float32) * (D ** -0.5)

@@ -34,6 +34,7 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from ba_jax import attention as attention_lib
 from ba_jax import engine, hf, kv_cache, sampler
 
 EOS_ID, PAD_ID = 1, 0
@@ -224,12 +225,11 @@ def profile_step(model, s, lines):
   x = jax.random.normal(keys[3], (N, 1, c.hidden_size))
   head = jax.random.normal(keys[4], (c.hidden_size, c.vocab_size))
 
-  def attention(q, k, v, allowed):  # keys [B,K,D,S] as the cache holds them
-    scores = jnp.einsum("blkgd,bkds->bkgls", q, k) * c.head_dim ** -0.5
-    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    return jnp.einsum("bkgls,bksd->blkgd", jax.nn.softmax(scores, -1), v)
+  def attention(q, k, v, allowed):  # the model's: keys [B,K,D,S] as the cache holds them
+    return attention_lib.full_attention(q.reshape(N, 1, c.num_heads, c.head_dim), k, v, allowed,
+                                        kv_axes="bksd", k_axes="bkds")
 
-  def attention_ksd(q, k, v, allowed):  # the cache's key layout before: [B,K,S,D]
+  def attention_ksd(q, k, v, allowed):  # before: keys [B,K,S,D] and a unit query axis
     scores = jnp.einsum("blkgd,bksd->bkgls", q, k) * c.head_dim ** -0.5
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     return jnp.einsum("bkgls,bksd->blkgd", jax.nn.softmax(scores, -1), v)
@@ -251,7 +251,7 @@ def profile_step(model, s, lines):
       ("cache write x 2 (k, v), one layer, shared index", cache_write, cache.k[0], cache.v[0],
        new_kv, shared.index),
       ("attention over the cache, one layer", attention, q, cache.k[0], cache.v[0], allowed),
-      ("attention over the cache, one layer, keys [B,K,S,D] (before)", attention_ksd, q,
+      ("attention over the cache, one layer, before (keys [B,K,S,D], query axis kept)", attention_ksd, q,
        jnp.swapaxes(cache.k[0], -1, -2), cache.v[0], allowed),
       ("LM head matmul [rows, hidden] x [hidden, vocab]", lambda x, h: x @ h, x, head),
   ]
