@@ -13,6 +13,10 @@ prompt + response budget, whatever B is. One jitted `while_loop` runs:
   decode: one token for every slot (idle slots feed padding under mask 0);
           a row that emits a stop token or reaches its budget frees its slot.
 
+On a mesh the cache's slots split over the batch axes and its kv heads over
+the tensor axis (`kv_cache.constrain`); `kv_cache.bytes_per_device` counts
+that layout, and `rollout.decode_slots` turns a per-device budget into slots.
+
 Each row's draws use `fold_in(fold_in(rng, row), position)`, so a response
 does not depend on the slot it ran in or on when it was admitted; greedy is
 the static sampler's output token for token. A given (slots, prompt bucket,
