@@ -4,9 +4,16 @@
         --num_cpu_devices=64
 
 compiles the WHOLE train step (every PPO epoch and mini-batch, under their
-``lax.scan``) and the sampler on the config's own mesh (fsdp 16 x tensor 4
-for the paper configs), and says per named TPU slice (``TPU_HBM_GIB``)
-whether each program's per-device peak fits one chip's HBM.
+``lax.scan``) and the rollout's program on the config's own mesh (fsdp 16 x
+tensor 4 for the paper configs), and says per named TPU slice
+(``TPU_HBM_GIB``) whether each program's per-device peak fits one chip's HBM.
+The rollout's program is the continuous-batching engine when the config's
+decode slots (``rl.max_slots`` per process, or ``rl.kv_cache_gib`` per
+device) are fewer than the rows, else the static sampler
+(``--config.rl.kv_cache_gib=0`` compiles that one for a paper config). For
+the engine the report also gives, per named slice, the most slots per device
+that fit: the compiled peak less its KV cache, plus the cache's bytes per
+slot (``kv_cache.bytes_per_device``), an estimate (``slots_that_fit``).
 
 ``dry_run(config)`` builds the run abstractly with the trainer's own builder
 (``run_setup.make_setup(config, abstract=True)``: no tokenizer, no
@@ -44,6 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ba_jax import engine as engine_lib
+from ba_jax import kv_cache as kv_cache_lib
 from ba_jax import model as model_lib
 from ba_jax import run_setup
 from ba_jax import sampler as sampler_lib
@@ -159,7 +168,7 @@ def _bytes_per_device(tree) -> int:
 
 
 def dry_run(config, *, devices=None, sample: bool = True,
-            one_update: bool = False) -> dict:
+            one_update: bool = False, train: bool = True) -> dict:
   """Compiles one train step (and the sampler) of ``config`` abstractly.
 
   Args:
@@ -168,11 +177,14 @@ def dry_run(config, *, devices=None, sample: bool = True,
       ``task.max_prompt_len`` prompt and ``rl.max_new_tokens`` response
       tokens.
     devices: the devices of the mesh (default: all).
-    sample: also compile the sampler's program for one step's prompts (and
-      the trainer's scoring program when the config recomputes old
-      log-probs or has a KL term).
+    sample: also compile the rollout's program for one step's prompts: the
+      continuous-batching engine when the config's decode slots
+      (``rl.max_slots`` or ``rl.kv_cache_gib``) are fewer than the rows,
+      else the static sampler (and the trainer's scoring program when the
+      config recomputes old log-probs or has a KL term).
     one_update: compile one mini-batch update instead of the whole step
       (see the module docstring).
+    train: compile the train step (False: only the rollout's programs).
   Returns:
     A JSON-able dict: mesh, shapes, parameter counts, analytic FLOPs, notes,
     and per program the per-device memory (bytes), XLA FLOPs per device and
@@ -218,14 +230,23 @@ def dry_run(config, *, devices=None, sample: bool = True,
       "notes": _notes(model_config, P, T, platform),
   }
 
-  report["train_step"] = _dry_run_train(
-      setup, state_in, batch_in, one_update=one_update,
-      shapes=(P, T, mesh, rules, with_ref), platform=platform)
-  if sample:
+  if train:
+    report["train_step"] = _dry_run_train(
+        setup, state_in, batch_in, one_update=one_update,
+        shapes=(P, T, mesh, rules, with_ref), platform=platform)
+  if sample and uses_engine(setup):
+    # The trainer keeps the optimizer state (and a KL reference's
+    # parameters) on the devices while it samples.
+    resident = _bytes_per_device(state_in) - _bytes_per_device(state_in.params)
+    if with_ref:
+      resident += _bytes_per_device(state_in.params)
+    report["engine"] = _dry_run_engine(setup, state_in.params, platform,
+                                       resident)
+  elif sample:
     report["sample"] = _dry_run_sampler(setup, state_in.params, platform)
-    if rl.old_logp == "recompute" or with_ref:
-      report["score"] = _dry_run_score(setup, state_in.params, batch_in,
-                                       platform)
+  if sample and (rl.old_logp == "recompute" or with_ref):
+    report["score"] = _dry_run_score(setup, state_in.params, batch_in,
+                                     platform)
   return report
 
 
@@ -287,6 +308,78 @@ def _dry_run_sampler(setup, params_in, platform) -> dict:
   return out
 
 
+def uses_engine(setup) -> bool:
+  """Whether the config's rollouts run through the engine: fewer decode slots
+  per process than rows (``rl.max_slots`` or ``rl.kv_cache_gib``)."""
+  rl = setup.rollout_cfg
+  rows = rl.prompts_per_step * rl.group_size // jax.process_count()
+  return 0 < rl.max_slots < rows
+
+
+def _dry_run_engine(setup, params_in, platform, resident: int) -> dict:
+  """The engine's program for one step's prompts through the config's slots,
+  and the cache's share of it (to size the slots for each named slice);
+  ``resident``: bytes per device the trainer holds besides (the AdamW
+  moments)."""
+  rl, c = setup.rollout_cfg, setup.model_config
+  mesh, rules = setup.mesh, setup.rules
+  slots = rl.max_slots * jax.process_count()
+  bucket = sampler_lib.bucket_length(setup.config.task.max_prompt_len)
+  length = engine_lib.cache_length(bucket, rl.max_new_tokens)
+  # XLA:CPU has no bfloat16 scatter or dynamic-update-slice: it would write
+  # a bfloat16 cache through float32 copies of its keys and values (convert,
+  # write, convert back in the compiled HLO), which an accelerator writes in
+  # place. So a float32 cache is compiled here and swapped for the model's
+  # in the accelerator estimate.
+  compiled_dtype = None
+  if platform == "cpu" and jnp.dtype(c.dtype).itemsize < 4:
+    compiled_dtype = "float32"
+  lowered = engine_lib.lower(
+      setup.graphdef, params_in, prompts=rl.prompts_per_step,
+      prompt_len=bucket, group_size=rl.group_size,
+      max_new_tokens=rl.max_new_tokens, slots=slots, mesh=mesh, rules=rules,
+      temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p,
+      cache_dtype=compiled_dtype)
+  out = _compile(lowered, platform)
+  shards = kv_cache_lib.slot_shards(mesh, rules)
+  cache = functools.partial(kv_cache_lib.bytes_per_device, c, mesh=mesh,
+                            rules=rules)
+  out.update(
+      slots=slots, slot_shards=shards, kv_cache_gib=rl.kv_cache_gib,
+      resident_bytes_per_device=resident,
+      slots_per_device=slots // shards if slots % shards == 0 else slots,
+      prompt_bucket=bucket, cache_len=length,
+      cache_dtype=str(jnp.dtype(c.dtype)),
+      compiled_cache_dtype=str(jnp.dtype(compiled_dtype or c.dtype)),
+      cache_bytes_per_device=cache(slots, length),
+      compiled_cache_bytes_per_device=cache(slots, length, compiled_dtype),
+      # One more slot on every batch shard.
+      slot_bytes_per_device=cache(shards, length))
+  out["accelerator_peak"] = (out["memory"]["peak"]
+                             - out["compiled_cache_bytes_per_device"]
+                             + out["cache_bytes_per_device"])
+  out["slots_that_fit"] = slots_that_fit(
+      out, rows_per_device=rl.prompts_per_step * rl.group_size // shards)
+  return out
+
+
+def slots_that_fit(engine: dict, rows_per_device: int) -> dict:
+  """Per named chip, the most slots per device whose engine peak, with the
+  trainer's resident state, fits its HBM (0 if none; at most the rows per
+  device, beyond which slots idle): the accelerator's estimated peak less
+  its cache, plus the resident bytes, plus that many slots' cache bytes.
+
+  An estimate: it assumes nothing else in the program grows with the slots.
+  The decode step's activations and logits do, by far less than the cache
+  at long lengths, and so do the refill's prefill lanes up to 64 slots
+  (``engine.refill_widths``)."""
+  per_slot = engine["slot_bytes_per_device"]
+  rest = (engine["accelerator_peak"] - engine["cache_bytes_per_device"]
+          + engine["resident_bytes_per_device"])
+  return {chip: min(rows_per_device, max(0, int((gib * 2**30 - rest) // per_slot)))
+          for chip, gib in TPU_HBM_GIB.items()}
+
+
 def _dry_run_score(setup, params_in, batch_in, platform) -> dict:
   """The trainer's scoring program (old or reference log-probs)."""
   fn = jax.jit(functools.partial(
@@ -297,7 +390,7 @@ def _dry_run_score(setup, params_in, batch_in, platform) -> dict:
                   platform)
 
 
-PROGRAMS = ("train_step", "sample", "score")
+PROGRAMS = ("train_step", "sample", "engine", "score")
 
 
 def _bytes(n: float) -> str:
@@ -353,27 +446,72 @@ def format_report(report: dict) -> str:
       f"through one layer + the LM head) "
       f"{a['train_step_xla_counts']:.3e}",
       f"  sampling   {a['sample']:.3e} (2ND {a['sample_2ND']:.3e}); "
-      f"as XLA counts (prefill + one decode step) "
+      f"as XLA counts the static sampler (prefill + one decode step) "
       f"{a['sample_xla_counts']:.3e}",
   ]
+  if "engine" in report:
+    lines.append("  (the engine's XLA count is one decode step of its slots "
+                 "plus one prefill per refill width, so not comparable)")
   lines.append("")
   lines.append(f"fits per chip ({report['devices']} chips; "
                "peak per device vs HBM per chip):")
   for chip, gib in TPU_HBM_GIB.items():
     verdicts = []
     for p in programs:
-      peak = report[p]["memory"]["peak"] / 2**30
-      verdicts.append(f"{p} {'fits' if peak <= gib else 'does NOT fit'}"
+      peak, name = report[p]["memory"]["peak"] / 2**30, p
+      if p == "engine":  # see _engine_lines
+        e = report[p]
+        peak = (e["accelerator_peak"] + e["resident_bytes_per_device"]) / 2**30
+        name = "engine + optimizer state"
+      verdicts.append(f"{name} {'fits' if peak <= gib else 'does NOT fit'}"
                       f" ({peak:.3g} of {gib} GiB)")
     lines.append(f"  {chip}-{report['devices']}: " + "; ".join(verdicts))
   if report["platform"] == "cpu":
     lines.append(f"note: {ESTIMATE_NOTE}")
-  train = report["train_step"]
+  if "engine" in report:
+    lines += ["", *_engine_lines(report)]
+  train = report.get("train_step", {})
   if "one_update_memory" in train:
     lines.append(f"train_step: compiled {train['updates_compiled']} of "
                  f"{s['ppo_epochs'] * s['num_minibatches']} updates; "
                  "full batch added to the arguments")
   return "\n".join(lines)
+
+
+def _engine_lines(report: dict) -> list[str]:
+  e, n = report["engine"], report["devices"]
+  source = (f"rl.kv_cache_gib={e['kv_cache_gib']:g} per device"
+            if e["kv_cache_gib"] else "rl.max_slots per process")
+  lines = [
+      f"engine: {e['slots']} decode slots ({e['slots_per_device']} per "
+      f"device on {e['slot_shards']} batch shards), {e['cache_len']} cache "
+      f"positions each (prompt bucket {e['prompt_bucket']} - 1 + response); "
+      f"KV cache {_bytes(e['cache_bytes_per_device'])} per device, "
+      f"{_bytes(e['slot_bytes_per_device'])} per slot per device "
+      f"(slots from {source})",
+      f"engine peak {_bytes(e['memory']['peak'])} as compiled"
+      + (f" with a {e['compiled_cache_dtype']} cache, "
+         f"{_bytes(e['accelerator_peak'])} with the {e['cache_dtype']} one "
+         "(XLA:CPU would write a bfloat16 cache through float32 copies "
+         "that an accelerator does not make)"
+         if e["compiled_cache_dtype"] != e["cache_dtype"] else "")
+      + f"; + the trainer's resident optimizer state "
+      f"({_bytes(e['resident_bytes_per_device'])}): "
+      f"{_bytes(e['accelerator_peak'] + e['resident_bytes_per_device'])} "
+      "per device",
+      "slots per device that fit (estimate: that peak less its cache, plus "
+      "the cache's bytes per slot):"]
+  for chip, fit in e["slots_that_fit"].items():
+    budget = fit * e["slot_bytes_per_device"] / 2**30
+    lines.append(f"  {chip}-{n} ({TPU_HBM_GIB[chip]} GiB): {fit} per device "
+                 f"= {fit * e['slot_shards']} slots on the mesh "
+                 f"(KV cache {budget:.3g} GiB per device)")
+  if not e["kv_cache_gib"]:
+    lines.append("note: rl.max_slots counts slots per process and this dry "
+                 "run is one process, so a pod of n processes holds n times "
+                 "these slots; rl.kv_cache_gib (per device) gives the same "
+                 "slots per device whatever the process count")
+  return lines
 
 
 def _main():
@@ -392,7 +530,11 @@ def _main():
   one_update = flags.DEFINE_bool(
       "one_update", False, "compile one mini-batch update, not the whole "
       "step (a check; see ba_jax/dry_run.py)")
-  sample = flags.DEFINE_bool("sample", True, "also compile the sampler")
+  sample = flags.DEFINE_bool(
+      "sample", True, "also compile the rollout's program (the engine when "
+      "the config's decode slots are fewer than the rows, else the static "
+      "sampler)")
+  train = flags.DEFINE_bool("train", True, "compile the train step")
   json_out = flags.DEFINE_string("json_out", None, "write the report here")
 
   def main(argv):
@@ -404,7 +546,7 @@ def _main():
     if cpu_devices.value:
       jax.config.update("jax_num_cpu_devices", cpu_devices.value)
     report = dry_run(config.value, sample=sample.value,
-                     one_update=one_update.value)
+                     one_update=one_update.value, train=train.value)
     print(format_report(report))
     text = json.dumps(report, indent=1)
     if json_out.value:

@@ -13,6 +13,10 @@ prompt + response budget, whatever B is. One jitted `while_loop` runs:
   decode: one token for every slot (idle slots feed padding under mask 0);
           a row that emits a stop token or reaches its budget frees its slot.
 
+On a mesh the cache's slots split over the batch axes and its kv heads over
+the tensor axis (`kv_cache.constrain`); `kv_cache.bytes_per_device` counts
+that layout, and `rollout.decode_slots` turns a per-device budget into slots.
+
 Each row's draws use `fold_in(fold_in(rng, row), position)`, so a response
 does not depend on the slot it ran in or on when it was admitted; greedy is
 the static sampler's output token for token. A given (slots, prompt bucket,
@@ -40,6 +44,10 @@ class EngineConfig:
   loop: decoding.LoopConfig
   slots: int  # M decode slots (whole call, all processes)
   prefill_chunk: int = 0  # prompt tokens per prefill call; 0 = the whole prompt at once
+  # The slots' cache dtype; None: the model's compute dtype. The dry run sets
+  # float32 for a bfloat16 model on XLA:CPU, which has no bfloat16 scatter and
+  # would write the cache through float32 copies that an accelerator never makes.
+  cache_dtype: str | None = None
 
 
 _TRACE_COUNT = 0
@@ -61,6 +69,11 @@ def prefill_length(prompt_len: int, chunk: int) -> int:
   if chunk <= 0 or head == 0:
     return head
   return -(-head // chunk) * chunk
+
+
+def cache_length(prompt_len: int, max_new_tokens: int, chunk: int = 0) -> int:
+  """Positions per slot of the engine's cache for prompts of `prompt_len` (bucketed) tokens."""
+  return prefill_length(prompt_len, chunk) + max_new_tokens
 
 
 def _prefill(model, ids_RxH, mask_RxH, chunk: int, layers=None) -> kv_cache_lib.KVCache:
@@ -91,7 +104,7 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
   N = B * G
   constrain = functools.partial(decoding.constrain_batch, mesh_rules=mesh_rules)
   ids_BxP, mask_BxP = left_justify(prompt_ids_BxP, prompt_mask_BxP, pad)
-  H = prefill_length(P, cfg.prefill_chunk)
+  H = prefill_length(P, cfg.prefill_chunk)  # the cache holds cache_length(P, T, chunk) = H + T
   # Left-justified: the last column is every prompt's last token; the head is
   # left-padded to whole prefill chunks.
   head_ids_BxH = jnp.pad(ids_BxP[:, :P - 1], ((0, 0), (H - (P - 1), 0)), constant_values=pad)
@@ -101,8 +114,10 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
   draw = functools.partial(draw_lib.draw_tokens, temperature=temperature, greedy=loop.greedy,
                            top_k=loop.top_k, top_p=loop.top_p)
 
-  cache = kv_cache_lib.init_cache(model.config, M, H + T, per_row=True)
-  cache = jax.tree.map(constrain, cache)
+  # Slots over the batch axes, kv heads over the tensor axis (kv_cache.constrain), pinned
+  # wherever the loop writes the cache so its carry keeps that layout.
+  pin = functools.partial(kv_cache_lib.constrain, mesh_rules=mesh_rules)
+  cache = pin(kv_cache_lib.init_cache(model.config, M, H + T, cfg.cache_dtype, per_row=True))
   state0 = dict(
       cache=cache,
       row=constrain(jnp.full((M,), -1, jnp.int32)),  # the row in each slot; -1 = free
@@ -133,7 +148,7 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
       prefill = jax.tree.map(lambda x: x if x.ndim == 0 else x[lane_R], prefill)
     else:
       prefill = kv_cache_lib.init_cache(model.config, width, 0)
-    s["cache"] = jax.tree.map(constrain, kv_cache_lib.fill_slots(s["cache"], slot_R, prefill))
+    s["cache"] = pin(kv_cache_lib.fill_slots(s["cache"], slot_R, prefill))
     s["row"] = s["row"].at[slot_R].set(row_R, mode="drop")
     s["pos"] = s["pos"].at[slot_R].set(0, mode="drop")
     s["prev"] = s["prev"].at[slot_R].set(last_B[prompt_R], mode="drop")
@@ -157,6 +172,7 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
     active_M = s["row"] >= 0
     logits_Mx1xV, s["cache"] = model(s["prev"][:, None], active_M[:, None].astype(jnp.int32),
                                      cache=s["cache"], layers=layers)
+    s["cache"] = pin(s["cache"])
     u_M = draw_lib.row_uniforms(rng, s["row"], s["pos"])
     tok_M, logp_M = draw(logits_Mx1xV[:, 0], None, uniforms_N=u_M)
     write_M = jnp.where(active_M, s["row"], N)  # out of range: dropped
@@ -187,17 +203,19 @@ engine_jit = jax.jit(_engine_program, static_argnames=("graphdef", "cfg", "mesh_
 def lower(graphdef, params, *, prompts: int, prompt_len: int, group_size: int,
           max_new_tokens: int, slots: int, mesh=None, rules=None, temperature: float = 1.0,
           top_k: int = 0, top_p: float = 1.0, prefill_chunk: int = 0, num_eos: int = 4,
-          pad_id: int = 0) -> jax.stages.Lowered:
+          pad_id: int = 0, cache_dtype: str | None = None) -> jax.stages.Lowered:
   """Lowers the engine's program on abstract inputs (for the dry run; compile it for memory).
 
   `params` may be a state of `jax.ShapeDtypeStruct`s with shardings; `prompts`
   x `prompt_len` is the global prompt batch (already bucketed), `slots` the
   global slot count. Prompts are batch-sharded on `mesh` under `rules`.
+  `cache_dtype`: see `EngineConfig`.
   """
   greedy = temperature == 0
   cfg = EngineConfig(decoding.LoopConfig(
       int(group_size), int(max_new_tokens), int(pad_id), greedy,
-      0 if greedy else int(top_k), 1.0 if greedy else float(top_p)), int(slots), int(prefill_chunk))
+      0 if greedy else int(top_k), 1.0 if greedy else float(top_p)), int(slots), int(prefill_chunk),
+      cache_dtype)
   mesh_rules = None
   sharding = None
   if mesh is not None:

@@ -16,16 +16,26 @@ positions, 4 kv heads of 64: experiments/results/engine_bench.md). Then a mask
   continuous-batching engine where a slot is refilled with a new prompt while
   the others decode on; the writes are a per-row `dynamic_update_slice` (vmap).
 
+On a mesh (`constrain`, `CACHE_AXES`) the rows (slots) are split over the axes that
+the logical name "batch" maps to and the kv heads over those of "kv_heads" (the
+tensor axis, as the k/v projections that fill them), each where it divides; the
+mask and index follow the rows. `bytes_per_device` and `slots_for_budget` count
+that layout.
+
 A write never checks bounds inside a trace: `dynamic_update_slice` clamps the
 start, so a slot that runs past `S` overwrites its own last position. The
 engine only lets idle slots get there, and their mask is reset on refill.
 """
 from __future__ import annotations
 
+import math
+
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ba_jax import sharding as sharding_lib
 
 
 @flax.struct.dataclass
@@ -49,6 +59,26 @@ def init_cache(config, batch_size: int, max_len: int, dtype=None, *, per_row: bo
                  mask=jnp.zeros((batch_size, max_len), jnp.int32), index=index)
 
 
+# Logical axes of a cache's leaves (keys/values, mask, per-row index).
+CACHE_AXES = dict(kv=("batch", "kv_heads", None, None), mask=("batch", None), index=("batch",))
+
+
+def constrain(cache: KVCache, mesh_rules) -> KVCache:
+  """Pins a cache to its layout on `mesh_rules = (mesh, rules)` (unchanged when None)."""
+  if mesh_rules is None:
+    return cache
+  mesh, rules = mesh_rules
+
+  def pin(x, axes):
+    if x.ndim == 0:
+      return x
+    return jax.lax.with_sharding_constraint(
+        x, sharding_lib.logical_sharding(mesh, rules, axes, shape=x.shape))
+  return KVCache(k=tuple(pin(x, CACHE_AXES["kv"]) for x in cache.k),
+                 v=tuple(pin(x, CACHE_AXES["kv"]) for x in cache.v),
+                 mask=pin(cache.mask, CACHE_AXES["mask"]), index=pin(cache.index, CACHE_AXES["index"]))
+
+
 def cache_bytes(config, slots: int, max_len: int, dtype=None) -> int:
   """Bytes of a cache of `slots` rows x `max_len` positions (keys, values and mask)."""
   itemsize = jnp.dtype(dtype or config.dtype).itemsize
@@ -56,14 +86,52 @@ def cache_bytes(config, slots: int, max_len: int, dtype=None) -> int:
   return kv + slots * max_len * 4
 
 
-def slots_for_budget(config, budget_bytes: int, max_len: int, dtype=None) -> int:
-  """The most slots of `max_len` positions whose cache fits in `budget_bytes`."""
-  per_slot = cache_bytes(config, 1, max_len, dtype)
+def slot_shards(mesh, rules) -> int:
+  """Devices the slots are split over: those of the mesh axes "batch" maps to (1 without a mesh)."""
+  if mesh is None:
+    return 1
+  spec = sharding_lib.logical_to_spec(mesh, rules, ("batch",))[0]
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def bytes_per_device(config, slots: int, max_len: int, dtype=None, *, mesh=None, rules=None) -> int:
+  """Bytes of keys, values and mask that one device holds of a cache of `slots` rows (all
+  processes) in the layout `constrain` pins; `cache_bytes` without a mesh. A mesh axis that does
+  not divide its dimension leaves it whole on every device (e.g. slots not a multiple of
+  `slot_shards`: every device holds every slot)."""
+  if mesh is None:
+    return cache_bytes(config, slots, max_len, dtype)
+  rules = sharding_lib.DEFAULT_RULES if rules is None else rules
+  kv_shape = (slots, config.num_kv_heads, max_len, config.head_dim)
+  mask_shape = (slots, max_len)
+  shard = lambda shape, axes: math.prod(
+      sharding_lib.logical_sharding(mesh, rules, axes, shape=shape).shard_shape(shape))
+  itemsize = jnp.dtype(dtype or config.dtype).itemsize
+  return (2 * config.num_layers * itemsize * shard(kv_shape, CACHE_AXES["kv"])
+          + 4 * shard(mask_shape, CACHE_AXES["mask"]))
+
+
+def slots_for_budget(config, budget_bytes: int, max_len: int, dtype=None, *, mesh=None,
+                     rules=None) -> int:
+  """The most slots of `max_len` positions whose cache fits in `budget_bytes`.
+
+  Without a mesh the budget is the whole cache's (keys, values, mask). With one it is per
+  device, and the answer is the slot count of the whole mesh: `slot_shards` times the
+  slots each batch shard holds (so they split evenly), kv heads split over the tensor axis
+  where it divides them (`bytes_per_device`).
+  """
+  if mesh is None:
+    per_slot, shards = cache_bytes(config, 1, max_len, dtype), 1
+  else:
+    shards = slot_shards(mesh, rules if rules is not None else sharding_lib.DEFAULT_RULES)
+    per_slot = bytes_per_device(config, shards, max_len, dtype, mesh=mesh, rules=rules)
   slots = int(budget_bytes) // per_slot
   if slots < 1:
     raise ValueError(f"KV-cache budget {budget_bytes} bytes holds no slot of {max_len} positions"
-                     f" ({per_slot} bytes each); raise the budget or lower the lengths")
-  return slots
+                     f" ({per_slot} bytes each{' per device' if mesh is not None else ''});"
+                     " raise the budget or lower the lengths")
+  return slots * shards
 
 
 def check_capacity(cache: KVCache, new_tokens: int) -> None:

@@ -18,7 +18,10 @@ import jax
 import numpy as np
 
 from ba_jax import advantages as advantages_lib
+from ba_jax import engine as engine_lib
+from ba_jax import kv_cache as kv_cache_lib
 from ba_jax import sampler as sampler_lib
+from ba_jax import sharding as sharding_lib
 
 OVERLONG_MODES = ("none", "mask", "soft")
 
@@ -51,6 +54,7 @@ class RolloutConfig:
   top_p: float = 1.0
   top_k: int = 0
   max_slots: int = 0  # decode slots per process; 0: every row at once
+  kv_cache_gib: float = 0.0  # KV-cache budget per device (0: unused); see decode_slots
   advantage_std: str = "group"
   dynamic_sampling: bool = False
   max_sampling_rounds: int = 3
@@ -69,6 +73,9 @@ class RolloutConfig:
     if self.max_slots < 0:
       raise ValueError(f"rl.max_slots={self.max_slots}: expected >= 0 (0: "
                        "every row at once)")
+    if not (math.isfinite(self.kv_cache_gib) and self.kv_cache_gib >= 0):
+      raise ValueError(f"rl.kv_cache_gib={self.kv_cache_gib}: expected a finite "
+                       "number >= 0 (GiB per device; 0: unused)")
     if self.prompts_per_step < 1:
       raise ValueError(f"rl.prompts_per_step={self.prompts_per_step}: "
                        "expected >= 1")
@@ -79,6 +86,52 @@ class RolloutConfig:
     field an older run's saved config lacks keeps its default."""
     return cls(**{f.name: rl[f.name] for f in dataclasses.fields(cls)
                   if f.name in rl})
+
+
+def decode_slots(rl: RolloutConfig, model_config, *, prompt_len: int, mesh=None,
+                 rules=None) -> int:
+  """The decode slots per process the sampler runs with (``max_slots``; 0:
+  every row at once): ``rl.max_slots``, or the most that ``rl.kv_cache_gib``
+  GiB of KV cache per device hold.
+
+  The engine's cache has ``engine.cache_length`` positions per slot (the
+  prompt bucket of ``prompt_len`` plus the response budget) and splits its
+  slots over the batch mesh axes and its kv heads over the tensor axis
+  (``kv_cache.bytes_per_device``), so a budget gives the same slots on every
+  device whatever the process count: a multiple of the batch shards that
+  also splits over the processes. With both keys set, ``rl.max_slots`` is
+  used and must fit the budget.
+  """
+  if not rl.kv_cache_gib:
+    return rl.max_slots
+  rules = sharding_lib.DEFAULT_RULES if rules is None else tuple(rules)
+  budget = int(rl.kv_cache_gib * 2**30)
+  length = engine_lib.cache_length(sampler_lib.bucket_length(prompt_len),
+                                   rl.max_new_tokens)
+  procs = jax.process_count()
+  if rl.max_slots:
+    need = kv_cache_lib.bytes_per_device(model_config, rl.max_slots * procs,
+                                         length, mesh=mesh, rules=rules)
+    if need > budget:
+      raise ValueError(
+          f"rl.max_slots={rl.max_slots} (per process, x {procs} processes) "
+          f"needs {need / 2**30:.3g} GiB of KV cache per device ({length} "
+          f"positions per slot), over rl.kv_cache_gib={rl.kv_cache_gib}; set "
+          "one of them (the other 0) or make them agree")
+    return rl.max_slots
+  try:
+    total = kv_cache_lib.slots_for_budget(model_config, budget, length,
+                                          mesh=mesh, rules=rules)
+  except ValueError as e:
+    raise ValueError(f"rl.kv_cache_gib={rl.kv_cache_gib}: {e}") from None
+  shards = kv_cache_lib.slot_shards(mesh, rules)
+  step = math.lcm(shards, procs)  # slots split evenly over shards and processes
+  if total < step:
+    raise ValueError(
+        f"rl.kv_cache_gib={rl.kv_cache_gib}: holds {total} slot(s), fewer "
+        f"than the {step} that split over {shards} batch shards and {procs} "
+        "processes; raise the budget")
+  return (total - total % step) // procs
 
 
 @dataclasses.dataclass

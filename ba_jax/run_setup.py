@@ -92,6 +92,10 @@ _RANGES = (
     ("rl.temperature", lambda x: _finite(x) and x > 0, "finite and > 0"),
     ("rl.top_p", lambda x: _finite(x) and 0 < x <= 1, "in (0, 1]"),
     ("rl.top_k", lambda x: x >= 0, ">= 0 (0 = off)"),
+    ("rl.max_slots", lambda x: isinstance(x, int) and x >= 0,
+     "an int >= 0 (0 = every row at once)"),
+    ("rl.kv_cache_gib", lambda x: _finite(x) and x >= 0,
+     "finite and >= 0 (GiB per device; 0 = unused)"),
     ("rl.ppo_epochs", lambda x: x >= 1, ">= 1"),
     ("rl.num_minibatches", lambda x: x >= 1, ">= 1"),
     ("rl.num_microbatches", lambda x: x >= 1, ">= 1"),
@@ -296,7 +300,6 @@ def make_setup(config, *, abstract: bool = False, devices=None,
   mesh = make_mesh(config, devices)
   rules = config_rules(config)
   step_cfg = validate(config, mesh)
-  rollout_cfg = rollout.RolloutConfig.from_config(config.rl)
   tokenizer = None
   if not abstract:
     local = copy.deepcopy(config)
@@ -309,6 +312,10 @@ def make_setup(config, *, abstract: bool = False, devices=None,
   for key in ARCHITECTURE_FIELDS:
     if key in config.model:
       config.model[key] = getattr(model_config, key)
+  rollout_cfg = rollout.RolloutConfig.from_config(config.rl)
+  rollout_cfg = dataclasses.replace(rollout_cfg, max_slots=rollout.decode_slots(
+      rollout_cfg, model_config, prompt_len=config.task.max_prompt_len,
+      mesh=mesh, rules=rules))
   graphdef, abstract_params = nnx.split(nnx.eval_shape(
       lambda: model_lib.Decoder(model_config, rngs=nnx.Rngs(config.seed))))
   tx = ts.optimizer_from_config(config)

@@ -62,6 +62,10 @@ def base(aggregation: str = "balanced") -> ml_collections.ConfigDict:
       top_p=1.0,  # nucleus sampling (1.0 = off)
       top_k=0,  # top-k sampling (0 = off)
       max_slots=0,  # decode slots per process (0: all rows at once; fewer: continuous batching, ba_jax/engine.py)
+      # KV-cache budget per device, GiB (0: unused): the engine runs the
+      # slots it holds (ba_jax.rollout.decode_slots); with max_slots also
+      # set, max_slots is used and must fit it.
+      kv_cache_gib=0.0,
       ppo_epochs=1,  # passes over the batch per step
       num_minibatches=2,  # optimizer updates per epoch (whole groups each)
       num_microbatches=1,  # gradient accumulation inside a mini-batch

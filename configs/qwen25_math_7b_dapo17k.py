@@ -62,6 +62,17 @@ def get_config(arg=None):
   )
   # 1024 + 3072 = the model's 4096-token context (see the docstring).
   c.rl.update(max_new_tokens=3072, overlong_buffer=512)
+  # Rollouts through the continuous-batching engine with 11 GiB of KV cache
+  # per device: 201 slots per device (56 MiB each: 4095 positions x 28
+  # layers x 1 of 4 kv heads on the tensor axis x 128 x 2 bytes x k and v),
+  # 3216 on the 16 batch shards of the 64-chip mesh. Derived from
+  # `python -m ba_jax.dry_run --config=<this file> --num_cpu_devices=64
+  # --notrain --config.rl.kv_cache_gib=10`: the engine's estimated peak
+  # less its cache is 1.69 GiB per device and the trainer keeps 0.89 GiB of
+  # AdamW moments resident, so 11 GiB (rounded down to 0.5 GiB) leaves 2 GiB
+  # of a v5e chip's 16 free; experiments/results/dry_run.md has the report
+  # at this default. Larger slices fit more (the dry run says how many).
+  c.rl.kv_cache_gib = 11.0
   if args.get("runlocal"):
     common.runlocal(c)
   return c

@@ -68,6 +68,18 @@ def get_config(arg=None):
       max_prompt_len=2048,  # prompt tokens, left-padded
   )
   c.rl.update(max_new_tokens=20480, overlong_buffer=4096)  # DAPO's
+  # Rollouts through the continuous-batching engine with 12.5 GiB of KV
+  # cache per device: 20 slots per device (616 MiB each: 22527 positions x
+  # 28 layers x 2 of 8 kv heads on the tensor axis x 128 x 2 bytes x k and
+  # v), 320 on the 16 batch shards of the 64-chip mesh. Derived from
+  # `python -m ba_jax.dry_run --config=<this file> --num_cpu_devices=64
+  # --notrain --config.rl.kv_cache_gib=10`: the engine's estimated peak
+  # less its cache is 0.98 GiB per device and the trainer keeps 0.2 GiB of
+  # AdamW moments resident, so 12.5 GiB (rounded down to 0.5 GiB) leaves
+  # 2 GiB of a v5e chip's 16 free; experiments/results/dry_run.md has the
+  # report at this default. Larger slices fit more (the dry run says how
+  # many).
+  c.rl.kv_cache_gib = 12.5
   if args.get("runlocal"):
     common.runlocal(c)
   return c

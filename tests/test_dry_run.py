@@ -279,3 +279,96 @@ def test_multi_gpu_script_stops_every_process_when_one_fails(tmp_path):
   assert "a process failed" in proc.stderr
   log0 = (tmp_path / "run" / "logs" / "process_0.log").read_text()
   assert "--process_id=0" in log0 and "127.0.0.1:29500" in log0
+
+
+def _slot_config(**rl):
+  """configs/tiny.py on data 2 x fsdp 2 x tensor 2 (its 2 kv heads split
+  over the tensor axis), 512 rows."""
+  config = load("configs/tiny.py")
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
+  config.rl.prompts_per_step = 64
+  config.rl.update(rl)
+  return config
+
+
+def _slot_bytes(c, length: int) -> int:
+  """One slot on each of the 4 batch shards, per device: float32 keys and
+  values of half the kv heads in every layer, and the int32 mask."""
+  return 2 * c.num_layers * (c.num_kv_heads // 2) * length * c.head_dim * 4 + 4 * length
+
+
+def test_kv_cache_budget_sets_the_slots():
+  from ba_jax import engine, kv_cache, run_setup
+  length = engine.cache_length(16, 32)  # tiny: 16-token prompts, 32 new
+  setup = run_setup.make_setup(_slot_config(), abstract=True)
+  c = setup.model_config
+  per_slot = _slot_bytes(c, length)
+  assert kv_cache.bytes_per_device(c, 4, length, mesh=setup.mesh,
+                                   rules=setup.rules) == per_slot
+  # The whole cache is 8x one device's keys/values, 4x its mask.
+  assert kv_cache.cache_bytes(c, 4, length) == 8 * (per_slot - 4 * length) + 16 * length
+  assert setup.rollout_cfg.max_slots == 0  # the default: every row at once
+  gib = 10.5 * per_slot / 2**30
+  setup = run_setup.make_setup(_slot_config(kv_cache_gib=gib), abstract=True)
+  assert setup.rollout_cfg.max_slots == 10 * 4  # 10 per device, 4 batch shards
+  # Both keys: max_slots is used when it fits the budget, else an error.
+  setup = run_setup.make_setup(_slot_config(kv_cache_gib=gib, max_slots=40), abstract=True)
+  assert setup.rollout_cfg.max_slots == 40
+  with pytest.raises(ValueError, match=r"rl.max_slots=44 .* over rl.kv_cache_gib"):
+    run_setup.make_setup(_slot_config(kv_cache_gib=gib, max_slots=44), abstract=True)
+  with pytest.raises(ValueError, match=r"rl.kv_cache_gib=.*holds no slot"):
+    run_setup.make_setup(_slot_config(kv_cache_gib=0.5 * per_slot / 2**30), abstract=True)
+  with pytest.raises(ValueError, match=r"rl.kv_cache_gib=-1.0: expected finite and >= 0"):
+    run_setup.make_setup(_slot_config(kv_cache_gib=-1.0), abstract=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dry_run_reports_the_engine_and_the_slots_that_fit(monkeypatch, dtype):
+  """A config with decode slots compiles the engine; its KV cache is what
+  kv_cache counts, and the peak grows by that count per slot, so the slots
+  that fit a chip, estimated from one compile, are what a compile at that
+  slot count peaks at. A bfloat16 cache compiles as float32 on XLA:CPU
+  (which writes bfloat16 through float32 copies); the estimate swaps it
+  back."""
+  from ba_jax import engine
+  length = engine.cache_length(16, 32)
+  per_slot = _slot_bytes(load("configs/tiny.py").model, length)  # float32
+  compiled_per_slot = per_slot
+  if dtype == "bfloat16":
+    per_slot -= (per_slot - 4 * length) // 2  # keys and values halve
+  gib = 16.5 * per_slot / 2**30
+  config = _slot_config(kv_cache_gib=gib)
+  r = dry_run.dry_run(config if dtype == "float32" else _bf16(config), train=False)
+  assert "sample" not in r and "train_step" not in r
+  e = r["engine"]
+  assert e["slots"] == 64 and e["slot_shards"] == 4 and e["slots_per_device"] == 16
+  assert e["cache_len"] == length and e["prompt_bucket"] == 16
+  assert (e["cache_dtype"], e["compiled_cache_dtype"]) == (dtype, "float32")
+  assert e["slot_bytes_per_device"] == per_slot
+  assert e["cache_bytes_per_device"] == 16 * per_slot
+  assert e["compiled_cache_bytes_per_device"] == 16 * compiled_per_slot
+  assert e["accelerator_peak"] == e["memory"]["peak"] - 16 * (compiled_per_slot - per_slot)
+  assert e["memory"]["temp"] > e["compiled_cache_bytes_per_device"]  # the cache lives in the program
+  assert e["memory"]["argument"] >= 4 * r["model"]["params"] // 8  # the sharded parameters
+  assert set(e["slots_that_fit"]) == set(dry_run.TPU_HBM_GIB)
+  assert e["slots_that_fit"]["v5e"] == 512 // 4  # capped at the rows per device
+  text = dry_run.format_report(r)
+  assert "engine: 64 decode slots (16 per device on 4 batch shards)" in text
+  assert "v5e-8 (16 GiB): 128 per device = 512 slots on the mesh" in text
+  # Twice the slots: the compiled peak grows by the compiled cache's bytes.
+  config = _slot_config(max_slots=128)
+  r2 = dry_run.dry_run(config if dtype == "float32" else _bf16(config), train=False)["engine"]
+  grown = r2["memory"]["peak"] - e["memory"]["peak"]
+  assert abs(grown / (16 * compiled_per_slot) - 1) < 0.05, (grown, 16 * compiled_per_slot)
+  # The AdamW moments stay on the devices while the trainer samples
+  # (two float32 copies of the parameters, split 8 ways but the norms).
+  assert 8 * r["model"]["params"] / 8 < e["resident_bytes_per_device"] < 8 * r["model"]["params"] / 2
+  hbm = r2["accelerator_peak"] + e["resident_bytes_per_device"]
+  monkeypatch.setattr(dry_run, "TPU_HBM_GIB", {"x": hbm / 2**30})
+  fit = dry_run.slots_that_fit(e, rows_per_device=10**9)["x"]
+  assert abs(fit - 32) <= 1, fit
+
+
+def _bf16(config):
+  config.model.dtype = "bfloat16"  # compute and cache; float32 parameters
+  return config

@@ -107,6 +107,14 @@ def test_recipe(path):
   # 512 prompts x 16 responses split into whole groups, micro-batches and
   # the 16 batch shards of the pod mesh on 64 devices.
   run_setup.step_config(c).check_batch(512 * 16, data_shards=16)
+  # Rollouts through the engine: a KV-cache budget per device that leaves
+  # room on a 16 GiB v5e chip and holds fewer slots than the 512 rows of
+  # each of the 16 batch shards (the dry run sizes it; see the config).
+  m = c.model
+  positions = prompt - 1 + response  # engine.cache_length
+  per_slot = 2 * m.num_layers * (m.num_kv_heads // 4) * positions * m.head_dim * 2 + 4 * positions
+  assert rl.max_slots == 0 and 0 < rl.kv_cache_gib <= 14
+  assert 16 <= rl.kv_cache_gib * 2**30 // per_slot < 512
 
 
 def test_model_fields_build_the_model_of_the_stated_size(path):

@@ -85,12 +85,37 @@ def test_unknown_config_key_is_one_line_naming_it(tmp_path):
     ({"optim.b2": 1.0}, "optim.b2=1.0"),
     ({"optim.grad_clip": -1.0}, "optim.grad_clip=-1.0"),
     ({"checkpoint.keep": 0}, "checkpoint.keep=0"),
+    ({"rl.kv_cache_gib": -1.0}, "rl.kv_cache_gib=-1.0"),
+    ({"rl.kv_cache_gib": 1e-9}, "rl.kv_cache_gib=1e-09: .* holds no slot"),
 ])
 def test_bad_config_fails_before_anything_runs(tmp_path, overrides, message):
   config = tu.smoke_config(**overrides)
   with pytest.raises(ValueError, match=message):
     trainer.run(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_kv_cache_budget_runs_rollouts_and_eval_through_the_engine(tmp_path):
+  """A budget of one slot per device (8 slots for the smoke config's 16
+  rows on 8 devices) sends the step's rollout and the sampled evaluation
+  (8 problems x 2) through the continuous-batching engine."""
+  from ba_jax import engine, kv_cache, sampler
+  config = tu.smoke_config(**{"sft.steps": 0, "rl.steps": 1, "log.tensorboard": False,
+                              "checkpoint.every": 0})
+  setup = run_setup.make_setup(config)
+  length = engine.cache_length(sampler.bucket_length(config.task.max_prompt_len),
+                               config.rl.max_new_tokens)
+  per_slot = kv_cache.cache_bytes(setup.model_config, 1, length)  # data-parallel: whole slots
+  config.rl.kv_cache_gib = 1.5 * per_slot / 2**30
+  assert run_setup.make_setup(config).rollout_cfg.max_slots == 8
+  before = engine.trace_count()
+  out = trainer.run(config, str(tmp_path))
+  assert out["step"] == 1 and out["stopped"] is None
+  assert np.isfinite(out["history"][0]["loss"])
+  # The step's rollout and the sampled evaluation (the greedy one has 8
+  # rows: one per slot, so every row at once).
+  assert engine.trace_count() - before >= 2
 
 
 # An entropy bonus of 1e300 is a valid float64 config value and infinite in
