@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ba_jax import attention as attention_lib
 from ba_jax import engine as engine_lib
 from ba_jax import kv_cache as kv_cache_lib
 from ba_jax import model as model_lib
@@ -85,7 +86,8 @@ def analytic_flops(c: model_lib.ModelConfig, matmul_params: int, *,
                    rows: int, prompts: int, prompt_len: int,
                    response_len: int, ppo_epochs: int,
                    micro_batches: int, prompt_bucket: int | None = None,
-                   minibatches: int = 1) -> dict:
+                   minibatches: int = 1, logprob_chunk: int | None = None,
+                   attention_tile: int | None = None) -> dict:
   """FLOPs of one train step and one sampling call, whole mesh.
 
   Train: every row goes ``ppo_epochs`` times forward and backward over
@@ -97,16 +99,24 @@ def analytic_flops(c: model_lib.ModelConfig, matmul_params: int, *,
   "As XLA counts": XLA's cost analysis counts a loop body once, and the
   train step is loops all the way down (PPO updates, micro-batches, the
   scanned layers), so its figure is one micro-batch of one update through
-  one layer plus the LM head.
+  one layer plus the LM head. The LM head runs over the response tokens
+  only, ``logprob_chunk`` of them per iteration of the scorer's chunk scan
+  (so XLA counts one chunk), and blockwise attention (``attention_tile``;
+  None: the full [L, L] product) is a scan over tiles (XLA counts one
+  query tile against one key tile).
   """
   attn = 4 * c.num_layers * c.num_heads * c.head_dim  # x queries x keys
   L = prompt_len + response_len
   passes = 4 if c.remat != "none" else 3
   head = c.hidden_size * c.vocab_size
-  train = passes * rows * ppo_epochs * (2 * matmul_params * L + attn * L * L)
+  body = matmul_params - head  # the layers' matmuls
+  train = passes * rows * ppo_epochs * (
+      2 * body * L + 2 * head * response_len + attn * L * L)
+  chunk = min(logprob_chunk or response_len, response_len)
+  tile = min(attention_tile, L) if attention_tile else L
   one_layer_and_head = passes * rows * ppo_epochs * (
-      2 * ((matmul_params - head) / c.num_layers + head) * L
-      + attn / c.num_layers * L * L)
+      2 * body / c.num_layers * L + 2 * head * chunk
+      + attn / c.num_layers * tile * tile)
   bucket = prompt_bucket or prompt_len
   S = bucket + response_len - 1
   prefill = prompts * bucket * (2 * matmul_params + attn * S)
@@ -226,7 +236,11 @@ def dry_run(config, *, devices=None, sample: bool = True,
           response_len=T, ppo_epochs=rl.ppo_epochs,
           micro_batches=rl.num_microbatches,
           prompt_bucket=sampler_lib.bucket_length(P),
-          minibatches=rl.num_minibatches),
+          minibatches=rl.num_minibatches,
+          logprob_chunk=model_config.logprob_chunk,
+          attention_tile=(model_config.attention_block if attention_lib.resolve_impl(
+              model_config.attention_impl, head_dim=model_config.head_dim,
+              dtype=model_config.dtype, backend=platform) == "blockwise" else None)),
       "notes": _notes(model_config, P, T, platform),
   }
 
@@ -443,7 +457,7 @@ def format_report(report: dict) -> str:
       "analytic FLOPs per device (whole mesh / devices):",
       f"  train step {a['train_step']:.3e} (6ND {a['train_6ND']:.3e}); "
       f"as XLA counts (each loop body once: one micro-batch of one update "
-      f"through one layer + the LM head) "
+      f"through one layer, one attention tile and one LM-head chunk) "
       f"{a['train_step_xla_counts']:.3e}",
       f"  sampling   {a['sample']:.3e} (2ND {a['sample_2ND']:.3e}); "
       f"as XLA counts the static sampler (prefill + one decode step) "

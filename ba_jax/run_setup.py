@@ -14,6 +14,7 @@ and parameter dtypes, remat, the attention kernel).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -285,6 +286,21 @@ class Setup:
     return self._task
 
 
+class ConfigError(ValueError):
+  """A config value that the run cannot use; the message names the key and what was expected."""
+
+
+@contextlib.contextmanager
+def _config_checks():
+  """Turns the typed configs' ValueError/TypeError into ConfigError (the CLI prints one line)."""
+  try:
+    yield
+  except ConfigError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(str(e)) from e
+
+
 def make_setup(config, *, abstract: bool = False, devices=None,
                explicit: Collection[str] = (), model_config=None) -> Setup:
   """Builds and checks everything static about a run of ``config``.
@@ -297,28 +313,30 @@ def make_setup(config, *, abstract: bool = False, devices=None,
     explicit: dotted config keys set by the user (``build_model_config``).
     model_config: use this ModelConfig (a restored run's) as it is.
   """
-  mesh = make_mesh(config, devices)
-  rules = config_rules(config)
-  step_cfg = validate(config, mesh)
+  with _config_checks():
+    mesh = make_mesh(config, devices)
+    rules = config_rules(config)
+    step_cfg = validate(config, mesh)
   tokenizer = None
   if not abstract:
     local = copy.deepcopy(config)
     with local.unlocked():
       local.init_from = paths.local(config.init_from)
     tokenizer = tasks.make_tokenizer(local)
-  if model_config is None:
-    model_config = build_model_config(config, tokenizer, explicit=explicit)
-  config = copy.deepcopy(config)
-  for key in ARCHITECTURE_FIELDS:
-    if key in config.model:
-      config.model[key] = getattr(model_config, key)
-  rollout_cfg = rollout.RolloutConfig.from_config(config.rl)
-  rollout_cfg = dataclasses.replace(rollout_cfg, max_slots=rollout.decode_slots(
-      rollout_cfg, model_config, prompt_len=config.task.max_prompt_len,
-      mesh=mesh, rules=rules))
+  with _config_checks():
+    if model_config is None:
+      model_config = build_model_config(config, tokenizer, explicit=explicit)
+    config = copy.deepcopy(config)
+    for key in ARCHITECTURE_FIELDS:
+      if key in config.model:
+        config.model[key] = getattr(model_config, key)
+    rollout_cfg = rollout.RolloutConfig.from_config(config.rl)
+    rollout_cfg = dataclasses.replace(rollout_cfg, max_slots=rollout.decode_slots(
+        rollout_cfg, model_config, prompt_len=config.task.max_prompt_len,
+        mesh=mesh, rules=rules))
+    tx = ts.optimizer_from_config(config)
   graphdef, abstract_params = nnx.split(nnx.eval_shape(
       lambda: model_lib.Decoder(model_config, rngs=nnx.Rngs(config.seed))))
-  tx = ts.optimizer_from_config(config)
   shapes = jax.eval_shape(lambda p: ts.create_state(p, tx), abstract_params)
   state_sharding = ts.tree_shardings(shapes, mesh, rules)
   return Setup(config, mesh, rules, step_cfg, rollout_cfg, tokenizer,

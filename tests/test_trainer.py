@@ -52,6 +52,19 @@ def test_unknown_config_key_is_one_line_naming_it(tmp_path):
   assert not os.listdir(tmp_path)  # nothing ran
 
 
+def test_bad_config_value_is_one_line_naming_it(tmp_path):
+  """A value the run cannot use (not only an unknown key) is one line on
+  stderr and exit status 2, not a traceback."""
+  out = tu.run_module(["ba_jax.train", "--config=configs/tiny.py:smoke",
+                       f"--workdir={tmp_path}", "--config.model.remat=some"],
+                      timeout=120)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.strip().startswith("error: remat='some' is not supported"), (
+      out.stderr[-2000:])
+  assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+  assert not os.listdir(tmp_path)  # nothing ran
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"loss.aggregation": "tokenmean"}, "'tokenmean'"),
     ({"rl.prompts_per_step": 3}, "num_minibatches=2"),
