@@ -13,7 +13,7 @@ positive-minus-negative length gap (relative to the group's mean length, on
 the warm-up data, measured with numbers 1..9 by tests/test_chains.py's
 helpers when the task was proposed):
 
-    high: max_count:2 (-0.65), answer (+0.03), min_count:2 (+0.45)
+    high: max_count:2 (-0.65), answer (+0.03), min_count:8 (+1.14)
     low:  max_count:4 (-0.12), answer (+0.01), min_count:5 (+0.12)
 
 A low spread caps the gap, since ``r`` is the only source of length variation
@@ -63,7 +63,7 @@ RULES = {  # (spread, gap) -> task.rule
     ("low", "neg"): "max_count:4", ("low", "none"): "answer",
     ("low", "pos"): "min_count:5",
     ("high", "neg"): "max_count:2", ("high", "none"): "answer",
-    ("high", "pos"): "min_count:2",
+    ("high", "pos"): "min_count:8",
 }
 SMOKE_RULES = {"neg": "max_count:1", "none": "answer", "pos": "min_count:2"}
 # The grid's policy: ~0.15M parameters, 3 layers x (12k attention + 37k MLP).
@@ -100,7 +100,9 @@ def get_config(arg=None):
   c.rl.update(steps=20, prompts_per_step=8)  # 8 prompts x 8 responses
   c.rl.max_new_tokens = _budget(c.task)
   c.rl.overlong_buffer = 16
-  c.optim.learning_rate = float(args.get("lr", 1e-3))  # tiny.py's 1e-4 x 10
+  # tiny.py's 1e-4 x 5: token aggregation collapsed at it in a probe of the
+  # high-spread, negative-gap cell (PREDICTIONS.md's addendum); 3e-4 did not.
+  c.optim.learning_rate = float(args.get("lr", 5e-4))
   c.eval.num_problems = 32  # of the 150 distinct problems; training never sees them
   c.checkpoint.every = 0  # the end only: runs are short
 
