@@ -10,10 +10,10 @@ Variants (comma separated ``key=value`` after the colon): see ``VARIANTS``.
 within-group length CV: (4, 5) ~0.09, (1, 2, 8) ~0.60 (warm-up data, groups
 of 8). ``gap`` picks the verifier rule, and so the sign of the within-group
 positive-minus-negative length gap (relative to the group's mean length, on
-the warm-up data, measured with numbers 1..9 by tests/test_chains.py's
-helpers when the task was proposed):
+the warm-up data, with numbers 1..5, from tests/test_chains.py's helpers
+``group_lengths`` and ``within_group_gap``):
 
-    high: max_count:2 (-0.65), answer (+0.03), min_count:8 (+1.14)
+    high: max_count:2 (-0.65), answer (+0.03), min_count:8 (+1.12)
     low:  max_count:4 (-0.12), answer (+0.01), min_count:5 (+0.12)
 
 A low spread caps the gap, since ``r`` is the only source of length variation

@@ -174,7 +174,8 @@ def test_chain_count_spread_sets_within_group_length_cv(counts, low, high):
     ((1, 2, 4, 8), "answer", 0), ((1, 2, 4, 8), "min_chains:4", 1),
     ((1, 2, 4, 8), "max_chains:2", -1), ((1, 2, 8), "answer", 0),
     ((1, 2, 8), "min_chains:2", 1), ((1, 2, 8), "max_chains:2", -1),
-    ((1, 2, 8), "min_count:2", 1), ((1, 2, 8), "max_count:2", -1)])
+    ((1, 2, 8), "min_count:2", 1), ((1, 2, 8), "max_count:2", -1),
+    ((1, 2, 8), "min_count:8", 1)])
 def test_verifier_rule_sets_the_sign_of_the_length_gap(counts, rule, sign):
   task = chains.ChainsConfig(chain_counts=counts, rule=rule)
   lengths, correct = group_lengths(task, problems=400)
@@ -246,6 +247,8 @@ def test_config_variants_pick_counts_and_rules():
       chains.NAME) is chains.ChainsTask
   assert high_neg.task.chain_counts == "1,2,8"
   assert high_neg.task.rule == "max_count:2"
+  high_pos = tu.load_config("spread=high,gap=pos", "configs/chains.py")
+  assert chains.parse_rule(high_pos.task.rule)[0] == "min_count"
   assert high_neg.loss.aggregation == "token"
   cfg = chains.config_from(high_neg.task)
   assert high_neg.rl.max_new_tokens > chains.max_response_tokens(cfg)
