@@ -22,9 +22,28 @@ Two knobs set what the paper's analysis of aggregation turns on:
   8: CV 0.09 for (4, 5), 0.51 for (1, 2, 4, 8), 0.60 for (1, 2, 8)). A group
   shares its prompt, so ``r`` is the only source of length variation in it.
 * ``rule``, the verifier: ``"answer"`` (only ``Answer: S`` counts; no length
-  gap in the warm-up data by construction), ``"min_chains:k"`` (also every chain right and
-  ``r >= k``: correct responses are the longer ones, a positive gap) or
-  ``"max_chains:k"`` (every chain right and ``1 <= r <= k``: a negative gap).
+  gap by construction), ``"min_count:k"`` (the answer right, the chains well
+  formed, the last one the plain partial sums, and ``r >= k``: correct
+  responses are the longer ones, a positive gap) or ``"max_count:k"`` (the
+  same with ``r <= k``: a negative gap). The stricter ``"min_chains:k"`` and
+  ``"max_chains:k"`` also require every chain's arithmetic to be right.
+
+Why the count rules are the ones configs/chains.py uses: under a chain rule a
+response of ``r`` chains has ``r`` chains to get wrong, so on a small
+policy's own samples P(correct | r) falls with ``r``. Under ``min_chains:2``
+the correct responses were then the SHORT ones (within-group gap -0.08 to
+-0.30 on policy samples, results/chains_length_check.md and
+results/grid_quick/), the opposite of the gap the rule sets on the warm-up
+data, and only 1-8% of samples were correct, too few mixed groups for RL to
+learn from. A count rule grades what does not grow with ``r`` (the answer and
+the last chain, the same arithmetic for every ``r``) and the length the
+policy chose, so P(correct | r) is flat in ``r`` up to the bound and the
+rule alone sets the gap's sign. The price: the chains before the last are
+still written (the warm-up teaches them, and they are tokens the policy
+must produce and the loss weighs) but no longer graded, so under a count
+rule they are work the policy was taught, not work the verifier checks; a
+policy could in principle learn to write them carelessly. The count is the
+number of well-formed chains written, whatever they start from.
 
 Why counting down from ``r - 1`` rather than starting chain ``j`` at the
 ``j``-th prompt number: with a few numbers that reading repeats itself after
@@ -40,6 +59,9 @@ The warm-up data mixes error-free traces (share ``sft_correct_frac``) with
 traces whose last chain goes wrong by a small amount from one value on,
 carried to its total and the answer; the error is drawn independently of
 ``r``, so under ``"answer"`` correct and wrong traces have the same lengths.
+Every rule grades a warm-up trace alike whether it counts chains or checks
+them (only the last chain of a trace can be wrong), so the warm-up does not
+depend on the rule.
 Problems, held-out split, seeding and tokenizer are the addition task's.
 """
 from __future__ import annotations
@@ -54,18 +76,20 @@ from ba_jax import synthetic
 from ba_jax.synthetic import Problem, build_tokenizer  # noqa: F401 -- this task's too
 
 NAME = "synthetic_chains"
-RULES = ("answer", "min_chains", "max_chains")
+RULES = ("answer", "min_count", "max_count", "min_chains", "max_chains")
+MIN_RULES, MAX_RULES = ("min_count", "min_chains"), ("max_count", "max_chains")
 _RESPONSE_RE = re.compile(r"^(?P<chains>.*?)\s*Answer:\s*(?P<answer>-?\d+)$", re.S)
 _CHAIN_RE = re.compile(r"^\d+(,\d+)*$")
 
 
 def parse_rule(rule: str) -> tuple[str, int]:
-  """``"answer"`` -> ("answer", 0); ``"min_chains:4"`` -> ("min_chains", 4)."""
+  """``"answer"`` -> ("answer", 0); ``"min_count:4"`` -> ("min_count", 4)."""
   kind, _, bound = str(rule).partition(":")
   ok = kind in RULES and (bound == "" if kind == "answer" else bound.isdigit())
   if not ok or (kind != "answer" and int(bound) < 1):
-    raise ValueError(f"task.rule={rule!r}: expected 'answer', 'min_chains:k' "
-                     "or 'max_chains:k' with an integer k >= 1")
+    raise ValueError(f"task.rule={rule!r}: expected 'answer', or one of "
+                     "'min_count:k', 'max_count:k', 'min_chains:k', "
+                     "'max_chains:k' with an integer k >= 1")
   return kind, int(bound or 0)
 
 
@@ -107,8 +131,8 @@ class ChainsConfig:
                        "expected a fraction in [0, 1]")
     kind, bound = parse_rule(self.rule)
     counts = self.chain_counts
-    if kind == "min_chains" and bound > max(counts) or (
-        kind == "max_chains" and bound < min(counts)):
+    if kind in MIN_RULES and bound > max(counts) or (
+        kind in MAX_RULES and bound < min(counts)):
       raise ValueError(f"task.rule={self.rule!r} rejects every chain count in "
                        f"task.chain_counts={counts}: no warm-up trace could "
                        "be correct")
@@ -166,10 +190,15 @@ def grade(text: str, p: Problem, rule: str) -> float:
     return 0.0
   if kind == "answer":
     return 1.0
-  if not chains or chains != chains_for(p, len(chains)):
+  if not chains:
     return 0.0
   r = len(chains)
-  return float(r >= bound if kind == "min_chains" else r <= bound)
+  if kind in ("min_chains", "max_chains"):
+    if chains != chains_for(p, r):
+      return 0.0
+  elif chains[-1] != chain(p, 0):  # count rules: only the last chain
+    return 0.0
+  return float(r >= bound if kind in MIN_RULES else r <= bound)
 
 
 def chain_count(text: str) -> int:

@@ -1,5 +1,6 @@
-"""The length-controlled task (ba_jax/chains.py) on a ~1M-parameter Qwen3-style
-policy: supervised warm-up, then GRPO under stress (lr 3x tiny.py's).
+"""The length-controlled task (ba_jax/chains.py) for the aggregation grid
+(experiments/grid_aggregation.py): a small Qwen3-style policy, supervised
+warm-up, then short GRPO runs at a stressing learning rate.
 
     python -m ba_jax.train --config=configs/chains.py:spread=high,gap=pos,agg=balanced \
         --workdir=/tmp/chains
@@ -8,23 +9,36 @@ Variants (comma separated ``key=value`` after the colon): see ``VARIANTS``.
 ``spread`` picks the chain counts the warm-up draws ``r`` from, so the
 within-group length CV: (4, 5) ~0.09, (1, 2, 8) ~0.60 (warm-up data, groups
 of 8). ``gap`` picks the verifier rule, and so the sign of the within-group
-positive-minus-negative length gap on the warm-up data (relative to the
-group's mean length, measured with numbers 1..9 by tests/test_chains.py's
-helpers when the task was proposed):
+positive-minus-negative length gap (relative to the group's mean length, on
+the warm-up data, with numbers 1..5, from tests/test_chains.py's helpers
+``group_lengths`` and ``within_group_gap``):
 
-    high: max_chains:2 (-0.65), answer (+0.03), min_chains:2 (+0.45)
-    low:  max_chains:4 (-0.12), answer (+0.01), min_chains:5 (+0.12)
+    high: max_count:2 (-0.65), answer (+0.03), min_count:8 (+1.12)
+    low:  max_count:4 (-0.12), answer (+0.01), min_count:5 (+0.12)
 
 A low spread caps the gap, since ``r`` is the only source of length variation
 in a group. The warm-up traces do not depend on the rule (only their grades
 do), so every gap of one spread shares its warm-up: experiments/
 grid_aggregation.py warms up once per (spread, seed).
 
+The rules are the COUNT rules (the answer, the last chain and the number of
+chains; ba_jax/chains.py says why), not the chain rules that also check every
+chain's arithmetic. With the chain rules a small policy's long responses had
+more chains to get wrong, so on its own samples the correct responses were
+the short ones even under ``min_chains:2``, and only 1-8% were correct
+(experiments/results/chains_length_check.md). ``--config.task.rule=
+min_chains:2`` still runs them.
+
 Numbers are drawn from 1..5 (``max_value``), not 1..9: a ~1M-parameter
 policy after 400 warm-up steps on 9-valued problems got only ~23% of answers
 right, the partial sums being the bottleneck
 (experiments/results/chains_warmup_probe_*.json); smaller numbers keep most
 values single-digit.
+
+Sizes: the grid runs 10 warm-ups and 120 RL runs on 2 CPU cores in about an
+hour, which a ~1M-parameter policy does not fit (its warm-up alone took ~14
+minutes for 400 steps on a loaded machine); the default policy is smaller
+(``MODEL``) and the RL runs short. ``big`` gives the ~1M-parameter policy.
 """
 import os
 import runpy
@@ -42,15 +56,22 @@ VARIANTS = {"spread": "low|high chain-count spread",
             "gap": "neg|none|pos sign of the length gap (the rule)",
             "agg": "<aggregation mode>", "lr": "<float> RL peak learning rate",
             "quick": "a minutes-scale run of one cell",
+            "big": "the ~1M-parameter policy (too slow for the grid's budget)",
             "smoke": "a seconds-scale run for tests"}
 CHAIN_COUNTS = {"low": "4,5", "high": "1,2,8"}
 RULES = {  # (spread, gap) -> task.rule
-    ("low", "neg"): "max_chains:4", ("low", "none"): "answer",
-    ("low", "pos"): "min_chains:5",
-    ("high", "neg"): "max_chains:2", ("high", "none"): "answer",
-    ("high", "pos"): "min_chains:2",
+    ("low", "neg"): "max_count:4", ("low", "none"): "answer",
+    ("low", "pos"): "min_count:5",
+    ("high", "neg"): "max_count:2", ("high", "none"): "answer",
+    ("high", "pos"): "min_count:8",
 }
-SMOKE_RULES = {"neg": "max_chains:1", "none": "answer", "pos": "min_chains:2"}
+SMOKE_RULES = {"neg": "max_count:1", "none": "answer", "pos": "min_count:2"}
+# The grid's policy: ~0.15M parameters, 3 layers x (12k attention + 37k MLP).
+MODEL = dict(hidden_size=64, intermediate_size=192, num_layers=3, num_heads=4,
+             num_kv_heads=2, head_dim=16)
+# ~0.99M parameters: 5 layers x (49k attention + 147k MLP) + 4k embedding.
+BIG_MODEL = dict(hidden_size=128, intermediate_size=384, num_layers=5,
+                 num_heads=4, num_kv_heads=2, head_dim=32)
 
 
 def get_config(arg=None):
@@ -61,9 +82,7 @@ def get_config(arg=None):
                      "expected spread=low|high and gap=neg|none|pos")
   c = tiny.get_config(f"agg={args['agg']}" if "agg" in args else None)
 
-  # ~0.99M parameters: 5 layers x (49k attention + 147k MLP) + 4k embedding.
-  c.model.update(dict(hidden_size=128, intermediate_size=384, num_layers=5,
-                      num_heads=4, num_kv_heads=2, head_dim=32,
+  c.model.update(dict(BIG_MODEL if args.get("big") else MODEL,
                       max_position_embeddings=160))
 
   c.task = ml_collections.ConfigDict(dict(
@@ -72,23 +91,23 @@ def get_config(arg=None):
       max_terms=3,
       max_value=5,  # numbers 1..5: mostly single-digit partial sums
       chain_counts=CHAIN_COUNTS[spread],  # warm-up draws r uniformly from these
-      rule=RULES[(spread, gap)],  # answer | min_chains:k | max_chains:k
+      rule=RULES[(spread, gap)],  # answer | min_count:k | max_count:k (| *_chains:k)
       sft_correct_frac=0.5,  # error-free warm-up traces (the rule may fail them)
       grader="builtin",  # the chain rules are this task's own
       max_prompt_len=8,  # "5+5+5=" is 6 tokens
   ))
-  c.sft.update(steps=800, batch_size=32)
+  c.sft.update(steps=500, batch_size=32)
+  c.rl.update(steps=20, prompts_per_step=8)  # 8 prompts x 8 responses
   c.rl.max_new_tokens = _budget(c.task)
   c.rl.overlong_buffer = 16
-  c.optim.learning_rate = float(args.get("lr", 3e-4))  # tiny.py's 1e-4 x 3
-  c.eval.num_problems = 48  # of the 150 distinct problems; training never sees them
+  # tiny.py's 1e-4 x 5: token aggregation collapsed at it in a probe of the
+  # high-spread, negative-gap cell (PREDICTIONS.md's addendum); 3e-4 did not.
+  c.optim.learning_rate = float(args.get("lr", 5e-4))
+  c.eval.num_problems = 32  # of the 150 distinct problems; training never sees them
+  c.checkpoint.every = 0  # the end only: runs are short
 
-  if args.get("quick"):  # ~0.15M parameters: minutes on 2 loaded cores
-    c.model.update(dict(hidden_size=64, intermediate_size=192, num_layers=3,
-                        head_dim=16))
+  if args.get("quick"):  # one cell in minutes on 2 cores
     c.sft.steps = 300
-    c.rl.update(steps=20, prompts_per_step=8)
-    c.eval.num_problems = 32
     c.log.progress_bar = False
   if args.get("smoke"):
     c.model.update(dict(hidden_size=32, intermediate_size=64, num_layers=2,

@@ -10,8 +10,11 @@ the four aggregation rules x ``--seeds`` seeds. Common random numbers: per
 do not depend on the rule, so the three gaps share it), and every rule and
 gap starts RL from that policy with the same seed, so runs of one seed differ
 only in the verifier rule and the aggregation. Finished runs (``summary.json``
-present) are not rerun. Writes under --outdir: ``results.jsonl`` (one row per
-run), ``table.md`` (per-cell means, paired differences, stability), and
+present) are not rerun. Jobs run seed by seed (a seed's warm-ups, then its
+RL runs), so a grid stopped early leaves whole seeds behind; every process
+shares one persistent XLA compilation cache (``runs/jax_cache``), so only the
+first run of each (spread, aggregation) compiles. Writes under --outdir:
+``results.jsonl`` (one row per run), ``table.md`` (per-cell means, paired differences, stability), and
 ``curves_<spread>_<gap>.png`` (accuracy, entropy, length per rule).
 
 Paired differences: for each cell and pair of rules (BA - token, BA -
@@ -29,6 +32,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 import numpy as np
 
@@ -73,11 +77,14 @@ def rl_run(job, init_dir, args, threads) -> dict:
   if not (workdir / "summary.json").exists():
     workdir.mkdir(parents=True, exist_ok=True)
     variant = _variant(f"spread={spread},gap={gap},agg={mode}", args.variant)
+    t0 = time.perf_counter()
     ablation._run(ablation._train_cmd(CONFIG, variant, workdir, [
         f"--config.seed={seed}", f"--config.init_from={init_dir}",
         "--config.sft.steps=0", "--config.log.progress_bar=False",
         "--config.log.tensorboard=False", *args.override]),
         workdir / "log.txt", threads)
+    (workdir / "wall_s.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
+    print(f"[{time.strftime('%H:%M:%S')}] done {workdir.name}", flush=True)
   return summarise(workdir, dict(spread=spread, gap=gap, mode=mode, seed=seed))
 
 
@@ -89,14 +96,23 @@ def summarise(workdir: pathlib.Path, key: dict) -> dict:
   def mean(name):
     values = [v for v in series(name) if v is not None]
     return float(np.mean(values)) if values else float("nan")
+  def first(name):
+    values = [v for v in series(name) if v is not None]
+    return float(values[0]) if values else float("nan")
+  wall = workdir / "wall_s.txt"
   return dict(
       key, workdir=str(workdir), steps=len(records),
+      wall_s=float(wall.read_text()) if wall.exists() else None,
+      accuracy=mean("accuracy"),
+      groups_mixed_frac=mean("groups_mixed_frac"),
       heldout_before=summary["before_rl"]["heldout_acc_sampled"],
       heldout_after=summary["after_rl"]["heldout_acc_sampled"],
       reward_auc=mean("reward_mean"),
       length_cv=mean("length_cv_in_group"),
       length_cv_in_subset=mean("length_cv_in_subset"),
       length_gap_in_group_rel=mean("length_gap_in_group_rel"),
+      length_cv_first=first("length_cv_in_group"),
+      length_gap_in_group_rel_first=first("length_gap_in_group_rel"),
       weight_length_corr=mean("weight_length_corr"),
       stability=stability.report(records),
       curves={name: series(name) for name, _ in CURVES})
@@ -139,7 +155,9 @@ def table(rows: list[dict], command: str) -> str:
   lines = [
       "# Aggregation grid on the chains task", "", f"Command: `{command}`", "",
       "Means ± std (ddof 0) over seeds. Held-out: sampled accuracy after RL "
-      "(before: the shared warm-up). Reward: mean training reward over RL. "
+      "(before: the shared warm-up). Train acc: mean training accuracy over "
+      "RL (the reward is 0/1, so it is also the mean training reward); "
+      "mixed: share of groups holding both signs. "
       "CV: within-group length CV; subset CV: within (group, sign) subset; "
       "gap: within-group (positive - negative) mean length over their "
       "average; corr: per-token weight vs length. Unstable: runs whose "
@@ -149,9 +167,12 @@ def table(rows: list[dict], command: str) -> str:
       f"{t['length_ratio_max']}x its start (experiments/stability.py).", "",
       "## Per cell", "",
       "| spread | gap | rule | seeds | held-out before | held-out after "
-      "| reward | CV | subset CV | gap | corr | peak drop | entropy max/start "
-      "| unstable |",
-      "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+      "| train acc | mixed | CV | subset CV | gap | corr |",
+      "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  stab = ["", "## Stability", "",
+          "| spread | gap | rule | peak drop | entropy max/start "
+          "| entropy min/start | length max/start | clip frac | unstable |",
+          "|---|---|---|---:|---:|---:|---:|---:|---:|"]
   for spread, gap in cells:
     for mode in MODES:
       rs = [r for r in rows if (r["spread"], r["gap"], r["mode"]) ==
@@ -163,12 +184,38 @@ def table(rows: list[dict], command: str) -> str:
       lines.append(
           f"| {spread} | {gap} | {mode} | {len(rs)} | "
           f"{_pm(col('heldout_before'))} | {_pm(col('heldout_after'))} | "
-          f"{_pm(col('reward_auc'))} | {_pm(col('length_cv'))} | "
+          f"{_pm(col('reward_auc'))} | {_pm(col('groups_mixed_frac'))} | "
+          f"{_pm(col('length_cv'))} | "
           f"{_pm(col('length_cv_in_subset'))} | "
           f"{_pm(col('length_gap_in_group_rel'))} | "
-          f"{_pm(col('weight_length_corr'))} | "
-          f"{_pm(st('accuracy_peak_drop'))} | {_pm(st('entropy_ratio_max'))} "
-          f"| {sum(st('collapsed'))}/{len(rs)} |")
+          f"{_pm(col('weight_length_corr'))} |")
+      stab.append(
+          f"| {spread} | {gap} | {mode} | {_pm(st('accuracy_peak_drop'))} | "
+          f"{_pm(st('entropy_ratio_max'))} | {_pm(st('entropy_ratio_min'))} | "
+          f"{_pm(st('length_ratio_max'))} | {_pm(st('clip_frac_mean'))} | "
+          f"{sum(st('collapsed'))}/{len(rs)} |")
+  lines += stab
+  lines += ["", "## Length statistics of the policy's own samples", "",
+            "Pooled over the cell's rules and seeds, from every RL step's "
+            "`metrics.jsonl` (`length_cv_in_group`; `length_gap_in_group_rel`, "
+            "defined at steps with a group holding both signs): the mean over "
+            "runs of each run's mean over steps [min, max over runs], and the "
+            "mean over runs of the first value logged (the warm-up policy's "
+            "samples at step 1 for the CV).", "",
+            "| spread | gap | runs | within-group CV | CV, first step "
+            "| relative gap | gap, first logged |",
+            "|---|---|---:|---:|---:|---:|---:|"]
+  for spread, gap in cells:
+    rs = [r for r in rows if (r["spread"], r["gap"]) == (spread, gap)]
+    def rng(k):
+      v = np.asarray([r[k] for r in rs], float)
+      v = v[np.isfinite(v)]
+      return (f"{v.mean():+.3f} [{v.min():+.3f}, {v.max():+.3f}]"
+              if len(v) else "n/a")
+    lines.append(f"| {spread} | {gap} | {len(rs)} | {rng('length_cv')} | "
+                 f"{rng('length_cv_first')} | "
+                 f"{rng('length_gap_in_group_rel')} | "
+                 f"{rng('length_gap_in_group_rel_first')} |")
   lines += ["", "## Paired differences per seed", "",
             "Mean of the per-seed difference [95% bootstrap interval], "
             "wins:losses over seeds, exact sign-test p.", "",
@@ -259,14 +306,23 @@ def main(argv=None):
   threads = max(1, (os.cpu_count() or 2) // max(1, args.parallel))
   command = " ".join(["python", "experiments/grid_aggregation.py",
                       *(argv if argv is not None else sys.argv[1:])])
+  # The persistent compilation cache: runs of one (spread, rule) share their
+  # programs, so only the first compiles (the seed and gap are data).
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                        str((args.outdir / "runs" / "jax_cache").resolve()))
   with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-    warm = [(s, seed) for seed in range(args.seeds) for s in spreads]
-    inits = dict(zip(warm, pool.map(
-        lambda w: warmup(w[0], w[1], args, threads), warm)))
-    jobs = [(s, g, m, seed) for seed in range(args.seeds) for s in spreads
-            for g in gaps for m in modes]
-    rows = list(pool.map(
-        lambda j: rl_run(j, inits[(j[0], j[3])], args, threads), jobs))
+    # FIFO: a seed's warm-ups are taken before its RL runs, so an RL run that
+    # waits on its warm-up waits on one already running (no deadlock).
+    futures = []
+    for seed in range(args.seeds):
+      warm = {s: pool.submit(warmup, s, seed, args, threads) for s in spreads}
+      for s in spreads:
+        for g in gaps:
+          for m in modes:
+            futures.append(pool.submit(
+                lambda j, w: rl_run(j, w.result(), args, threads),
+                (s, g, m, seed), warm[s]))
+    rows = [f.result() for f in futures]
   with open(args.outdir / "results.jsonl", "w") as f:
     for row in rows:
       f.write(json.dumps(row) + "\n")

@@ -6,7 +6,7 @@ import pytest
 from ba_jax import chains, synthetic
 
 P = synthetic.Problem((3, 5, 2))  # S = 10
-RULES = ("answer", "min_chains:3", "max_chains:2")
+RULES = ("answer", "min_chains:3", "max_chains:2", "min_count:3", "max_count:2")
 
 
 def grades(text, p=P):
@@ -25,30 +25,55 @@ def test_chains_count_down_to_the_partial_sums_and_differ_everywhere():
 
 def test_grader_under_each_rule():
   two, three = chains.correct_response(P, 2), chains.correct_response(P, 3)
-  assert grades(two) == {"answer": 1.0, "min_chains:3": 0.0, "max_chains:2": 1.0}
-  assert grades(three) == {"answer": 1.0, "min_chains:3": 1.0, "max_chains:2": 0.0}
+  assert grades(two) == {"answer": 1.0, "min_chains:3": 0.0, "max_chains:2": 1.0,
+                         "min_count:3": 0.0, "max_count:2": 1.0}
+  assert grades(three) == {"answer": 1.0, "min_chains:3": 1.0, "max_chains:2": 0.0,
+                           "min_count:3": 1.0, "max_count:2": 0.0}
   # A wrong answer fails every rule, even after right chains.
   assert set(grades(three.replace("Answer: 10", "Answer: 11")).values()) == {0.0}
-  # Only the answer counts under "answer"; chain rules need at least one chain.
+  # Only the answer counts under "answer"; the others need at least one chain.
   assert grades("Answer: 10") == {"answer": 1.0, "min_chains:3": 0.0,
-                                  "max_chains:2": 0.0}
-  assert chains.grade("0,3,8,10 Answer: 10", P, "max_chains:1") == 1.0
-  assert chains.grade("0,3,8,10 Answer: 10", P, "min_chains:1") == 1.0
+                                  "max_chains:2": 0.0, "min_count:3": 0.0,
+                                  "max_count:2": 0.0}
+  for rule in ("max_chains:1", "min_chains:1", "max_count:1", "min_count:1"):
+    assert chains.grade("0,3,8,10 Answer: 10", P, rule) == 1.0
 
 
-@pytest.mark.parametrize("text", [
-    "2,5,10,12 2,5,10,12 0,3,8,10 Answer: 10",  # chain 2 copies chain 1
-    "1,4,9,11 2,5,10,12 0,3,8,10 Answer: 10",  # chains out of order
-    "3,6,11,13 1,4,9,11 0,3,8,10 Answer: 10",  # a first chain promising 4 chains
-    "2,5,10,12 1,4,9,12 0,3,8,10 Answer: 10",  # one value wrong
-    "2,5,10,12 1,4,9 0,3,8,10 Answer: 10",  # a chain cut short
-    "2,5,10,12 1,4,9,11,13 0,3,8,10 Answer: 10",  # a chain too long
-    "2,5,10,12 1,4,,9,11 0,3,8,10 Answer: 10",  # malformed: empty value
-    "2,5,10,12 1,4~9,11 0,3,8,10 Answer: 10",  # malformed: foreign token
-    "2,5,10,12,1,4,9,11,0,3,8,10 Answer: 10",  # chains run together
+def test_count_rules_check_the_last_chain_and_the_count_only():
+  # A wrong value in an earlier chain fails the chain rules only.
+  text = "2,5,10,12 1,4,9,12 0,3,8,10 Answer: 10"
+  assert grades(text) == {"answer": 1.0, "min_chains:3": 0.0, "max_chains:2": 0.0,
+                          "min_count:3": 1.0, "max_count:2": 0.0}
+  # A wrong last chain fails them all but "answer", whatever the answer says.
+  assert grades("1,4,9,11 0,3,9,10 Answer: 10") == {
+      "answer": 1.0, "min_chains:3": 0.0, "max_chains:2": 0.0,
+      "min_count:3": 0.0, "max_count:2": 0.0}
+  # The count is of well-formed chains, wherever they start.
+  assert chains.grade("5,8 5,8 0,3,8,10 Answer: 10", P, "min_count:3") == 1.0
+  assert chains.grade("1,4,9,11 0,3,8,10 Answer: 10", P, "min_count:3") == 0.0
+  # The bound is inclusive on both sides.
+  for r in range(1, 7):
+    text = chains.correct_response(P, r)
+    assert chains.grade(text, P, "min_count:4") == float(r >= 4)
+    assert chains.grade(text, P, "max_count:4") == float(r <= 4)
+
+
+@pytest.mark.parametrize("text,counted", [
+    ("2,5,10,12 2,5,10,12 0,3,8,10 Answer: 10", True),  # chain 2 copies chain 1
+    ("1,4,9,11 2,5,10,12 0,3,8,10 Answer: 10", True),  # chains out of order
+    ("3,6,11,13 1,4,9,11 0,3,8,10 Answer: 10", True),  # a first chain promising 4 chains
+    ("2,5,10,12 1,4,9,12 0,3,8,10 Answer: 10", True),  # one value wrong
+    ("2,5,10,12 1,4,9 0,3,8,10 Answer: 10", True),  # a chain cut short
+    ("2,5,10,12 1,4,9,11,13 0,3,8,10 Answer: 10", True),  # a chain too long
+    ("2,5,10,12 1,4,,9,11 0,3,8,10 Answer: 10", False),  # malformed: empty value
+    ("2,5,10,12 1,4~9,11 0,3,8,10 Answer: 10", False),  # malformed: foreign token
+    ("2,5,10,12,1,4,9,11,0,3,8,10 Answer: 10", False),  # chains run together
 ])
-def test_bad_chains_fail_the_chain_rules_but_not_the_answer_rule(text):
-  assert grades(text) == {"answer": 1.0, "min_chains:3": 0.0, "max_chains:2": 0.0}
+def test_bad_chains_fail_the_chain_rules_but_not_the_answer_rule(text, counted):
+  """The count rules see three chains ending in the right one when the
+  chains are well formed, however wrong the earlier ones are."""
+  assert grades(text) == {"answer": 1.0, "min_chains:3": 0.0, "max_chains:2": 0.0,
+                          "min_count:3": float(counted), "max_count:2": 0.0}
 
 
 def test_answer_must_end_the_response():
@@ -60,7 +85,8 @@ def test_answer_must_end_the_response():
 
 
 def test_bad_rules_and_configs_are_named():
-  for bad in ("answers", "min_chains", "min_chains:0", "max_chains:x", "answer:3"):
+  for bad in ("answers", "min_chains", "min_chains:0", "max_chains:x", "answer:3",
+              "min_count", "max_count:0", "count:2"):
     with pytest.raises(ValueError, match="task.rule="):
       chains.parse_rule(bad)
   with pytest.raises(ValueError, match="task.chain_counts='1,x'"):
@@ -69,6 +95,8 @@ def test_bad_rules_and_configs_are_named():
     chains.ChainsConfig(chain_counts=(0, 2))
   with pytest.raises(ValueError, match="rejects every chain count"):
     chains.ChainsConfig(chain_counts=(1, 2), rule="min_chains:3")
+  with pytest.raises(ValueError, match="rejects every chain count"):
+    chains.ChainsConfig(chain_counts=(4, 5), rule="max_count:3")
   with pytest.raises(ValueError, match="task.max_value=12"):
     chains.ChainsConfig(max_value=12)
   assert chains.ChainsConfig(chain_counts="4, 5").chain_counts == (4, 5)
@@ -96,6 +124,18 @@ def test_warmup_traces_parse_back_and_grade_as_labelled(rule):
     assert len(ids) == len(text) and tok.unk_token_id not in ids
     assert len(ids) + 1 <= bound
   assert 0.1 < np.mean(labels) < 0.7
+
+
+def test_warmup_grades_agree_between_count_and_chain_rules():
+  """Only a trace's last chain can be wrong, so a count rule and its chain
+  rule label the warm-up data alike: one warm-up serves both."""
+  for counted, checked in (("min_count:2", "min_chains:2"),
+                           ("max_count:2", "max_chains:2")):
+    task = chains.ChainsConfig(chain_counts=(1, 2, 8), rule=counted)
+    rng = np.random.default_rng(1)
+    for p in synthetic.train_problems(task, seed=1, start=0, n=200):
+      text, correct = chains.sft_response(p, rng, task)
+      assert chains.grade(text, p, checked) == float(correct)
 
 
 def group_lengths(task, *, problems=200, group_size=8, seed=0):
@@ -133,7 +173,9 @@ def test_chain_count_spread_sets_within_group_length_cv(counts, low, high):
 @pytest.mark.parametrize("counts,rule,sign", [
     ((1, 2, 4, 8), "answer", 0), ((1, 2, 4, 8), "min_chains:4", 1),
     ((1, 2, 4, 8), "max_chains:2", -1), ((1, 2, 8), "answer", 0),
-    ((1, 2, 8), "min_chains:2", 1), ((1, 2, 8), "max_chains:2", -1)])
+    ((1, 2, 8), "min_chains:2", 1), ((1, 2, 8), "max_chains:2", -1),
+    ((1, 2, 8), "min_count:2", 1), ((1, 2, 8), "max_count:2", -1),
+    ((1, 2, 8), "min_count:8", 1)])
 def test_verifier_rule_sets_the_sign_of_the_length_gap(counts, rule, sign):
   task = chains.ChainsConfig(chain_counts=counts, rule=rule)
   lengths, correct = group_lengths(task, problems=400)
@@ -204,7 +246,9 @@ def test_config_variants_pick_counts_and_rules():
   assert high_neg.task.name == chains.NAME and tasks.task_class(
       chains.NAME) is chains.ChainsTask
   assert high_neg.task.chain_counts == "1,2,8"
-  assert high_neg.task.rule == "max_chains:2"
+  assert high_neg.task.rule == "max_count:2"
+  high_pos = tu.load_config("spread=high,gap=pos", "configs/chains.py")
+  assert chains.parse_rule(high_pos.task.rule)[0] == "min_count"
   assert high_neg.loss.aggregation == "token"
   cfg = chains.config_from(high_neg.task)
   assert high_neg.rl.max_new_tokens > chains.max_response_tokens(cfg)

@@ -66,6 +66,28 @@ def test_paired_differences_and_sign_test():
                                  "heldout_after")["n"] == 4
 
 
+def _row(spread, gap, mode, seed, acc, cv, gap_rel):
+  st = stability.report(_records([acc] * 6))
+  return dict(spread=spread, gap=gap, mode=mode, seed=seed, heldout_before=0.3,
+              heldout_after=acc, reward_auc=acc, groups_mixed_frac=0.5,
+              length_cv=cv, length_cv_in_subset=0.2,
+              length_gap_in_group_rel=gap_rel, weight_length_corr=0.0,
+              length_cv_first=cv + 0.1,
+              length_gap_in_group_rel_first=float("nan"), stability=st)
+
+
+def test_table_reports_cells_stability_lengths_and_pairs():
+  rows = [_row("high", "pos", m, s, 0.4 + 0.1 * (m == "balanced") + 0.01 * s,
+               0.5 + 0.02 * s, 0.3 + 0.1 * s)
+          for m in grid_aggregation.MODES for s in range(3)]
+  text = grid_aggregation.table(rows, "cmd")
+  assert "| high | pos | balanced | 3 |" in text and "## Stability" in text
+  # Pooled length statistics: mean over runs [min, max], first-step CV too.
+  assert "| high | pos | 12 | +0.520 [+0.500, +0.540] | +0.620 [+0.600, " \
+      "+0.640] | +0.400 [+0.300, +0.500] | n/a |" in text
+  assert "| high | pos | heldout_after | +0.100 [+0.100, +0.100] 3:0 p=0.25 |" in text
+
+
 @pytest.mark.slow
 def test_grid_runs_a_smoke_cell_and_writes_its_reports(tmp_path, monkeypatch):
   monkeypatch.chdir(ROOT)
