@@ -303,9 +303,7 @@ def main():
       f" on {time.strftime('%Y-%m-%d')}.",
       f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__}"
       f" ({jax.default_backend()}), torch {torch.__version__} ({torch.get_num_threads()} threads)."
-      " **Taken on a loaded 2-core machine** (other engineers' jobs shared the cores), so"
-      " absolute figures are rough; each ratio compares systems run one after another in"
-      " this process.",
+      " LOAD_NOTE Each ratio compares systems run one after another in this process.",
       "",
       f"Model: Qwen3-style, float32, {n_params / 1e6:.1f}M parameters (vocab {s['vocab']},"
       f" hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} kv"
@@ -313,13 +311,18 @@ def main():
       "",
   ]
   pathlib.Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+  loads = []
   for part, run in (("a", lambda: part_a(ours, s, ids, np.ones_like(ids), lines)),
                     ("b", lambda: part_b(ours, theirs, s, lines)),
                     ("p", lambda: profile_step(ours, s, lines))):
     if part in args.parts:
       run()
-      pathlib.Path(args.output).write_text("\n".join(lines) + "\n")  # after each part
-  print("\n".join(lines))
+      loads.append(os.getloadavg()[0])
+      note = (f"1-minute load average after each part: {', '.join(f'{x:.1f}' for x in loads)}"
+              " (this script alone keeps it near 1.5-2 on 2 cores; more means other work shared them).")
+      text = "\n".join(lines).replace("LOAD_NOTE", note)
+      pathlib.Path(args.output).write_text(text + "\n")  # after each part
+  print(text)
 
 
 if __name__ == "__main__":
