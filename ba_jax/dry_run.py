@@ -323,11 +323,12 @@ def _dry_run_sampler(setup, params_in, platform) -> dict:
 
 
 def uses_engine(setup) -> bool:
-  """Whether the config's rollouts run through the engine: fewer decode slots
-  per process than rows (``rl.max_slots`` or ``rl.kv_cache_gib``)."""
+  """Whether the config's rollouts run through the engine
+  (``sampler.uses_engine`` with its slots per process, from ``rl.max_slots``
+  or ``rl.kv_cache_gib``, and this process's rows)."""
   rl = setup.rollout_cfg
-  rows = rl.prompts_per_step * rl.group_size // jax.process_count()
-  return 0 < rl.max_slots < rows
+  return sampler_lib.uses_engine(
+      rl.max_slots, rl.prompts_per_step * rl.group_size // jax.process_count())
 
 
 def _dry_run_engine(setup, params_in, platform, resident: int) -> dict:
@@ -372,6 +373,8 @@ def _dry_run_engine(setup, params_in, platform, resident: int) -> dict:
   out["accelerator_peak"] = (out["memory"]["peak"]
                              - out["compiled_cache_bytes_per_device"]
                              + out["cache_bytes_per_device"])
+  # What a device holds while the trainer samples: the engine and the rest.
+  out["rollout_peak"] = out["accelerator_peak"] + resident
   out["slots_that_fit"] = slots_that_fit(
       out, rows_per_device=rl.prompts_per_step * rl.group_size // shards)
   return out
@@ -388,8 +391,7 @@ def slots_that_fit(engine: dict, rows_per_device: int) -> dict:
   at long lengths, and so do the refill's prefill lanes up to 64 slots
   (``engine.refill_widths``)."""
   per_slot = engine["slot_bytes_per_device"]
-  rest = (engine["accelerator_peak"] - engine["cache_bytes_per_device"]
-          + engine["resident_bytes_per_device"])
+  rest = engine["rollout_peak"] - engine["cache_bytes_per_device"]
   return {chip: min(rows_per_device, max(0, int((gib * 2**30 - rest) // per_slot)))
           for chip, gib in TPU_HBM_GIB.items()}
 
@@ -475,7 +477,7 @@ def format_report(report: dict) -> str:
       peak, name = report[p]["memory"]["peak"] / 2**30, p
       if p == "engine":  # see _engine_lines
         e = report[p]
-        peak = (e["accelerator_peak"] + e["resident_bytes_per_device"]) / 2**30
+        peak = e["rollout_peak"] / 2**30
         name = "engine + optimizer state"
       verdicts.append(f"{name} {'fits' if peak <= gib else 'does NOT fit'}"
                       f" ({peak:.3g} of {gib} GiB)")
@@ -511,7 +513,7 @@ def _engine_lines(report: dict) -> list[str]:
          if e["compiled_cache_dtype"] != e["cache_dtype"] else "")
       + f"; + the trainer's resident optimizer state "
       f"({_bytes(e['resident_bytes_per_device'])}): "
-      f"{_bytes(e['accelerator_peak'] + e['resident_bytes_per_device'])} "
+      f"{_bytes(e['rollout_peak'])} "
       "per device",
       "slots per device that fit (estimate: that peak less its cache, plus "
       "the cache's bytes per slot):"]

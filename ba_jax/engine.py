@@ -104,7 +104,7 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
   N = B * G
   constrain = functools.partial(decoding.constrain_batch, mesh_rules=mesh_rules)
   ids_BxP, mask_BxP = left_justify(prompt_ids_BxP, prompt_mask_BxP, pad)
-  H = prefill_length(P, cfg.prefill_chunk)  # the cache holds cache_length(P, T, chunk) = H + T
+  H = prefill_length(P, cfg.prefill_chunk)
   # Left-justified: the last column is every prompt's last token; the head is
   # left-padded to whole prefill chunks.
   head_ids_BxH = jnp.pad(ids_BxP[:, :P - 1], ((0, 0), (H - (P - 1), 0)), constant_values=pad)
@@ -117,7 +117,8 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
   # Slots over the batch axes, kv heads over the tensor axis (kv_cache.constrain), pinned
   # wherever the loop writes the cache so its carry keeps that layout.
   pin = functools.partial(kv_cache_lib.constrain, mesh_rules=mesh_rules)
-  cache = pin(kv_cache_lib.init_cache(model.config, M, H + T, cfg.cache_dtype, per_row=True))
+  cache = pin(kv_cache_lib.init_cache(model.config, M, cache_length(P, T, cfg.prefill_chunk),
+                                      cfg.cache_dtype, per_row=True))
   state0 = dict(
       cache=cache,
       row=constrain(jnp.full((M,), -1, jnp.int32)),  # the row in each slot; -1 = free

@@ -156,6 +156,12 @@ def _check_draw_args(temperature, top_k, top_p):
     raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
 
 
+def uses_engine(max_slots: int, rows: int) -> bool:
+  """Whether `sample_groups` runs the continuous-batching engine: fewer decode slots than this
+  process's rows (0 slots: every row at once, the static program)."""
+  return 0 < max_slots < rows
+
+
 def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
                   max_new_tokens: int, temperature: float = 1.0,
                   top_p: float = 1.0, top_k: int = 0, eos_id, pad_id: int,
@@ -254,7 +260,7 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
       row_budgets = _to_global(row_budgets, mesh_rules)
   args = (graphdef, state, ids_BxP, mask_BxP, rng, jnp.float32(1.0 if greedy else temperature),
           _padded_eos(eos_ids))
-  if max_slots and max_slots < B * group_size:
+  if uses_engine(max_slots or 0, B * group_size):
     engine_cfg = engine.EngineConfig(cfg, int(max_slots) * jax.process_count(), int(prefill_chunk))
     result = engine.engine_jit(*args, cfg=engine_cfg, mesh_rules=mesh_rules, budget_N=row_budgets)
   else:

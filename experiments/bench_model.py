@@ -88,12 +88,11 @@ def _step_fn(model: Decoder, layers: str):
   return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1))), (params, per_layer)
 
 
-def run(steps: int, batch: int, seq: int, scan_unroll: int = 0, layers: str = "scan") -> dict:
+def run(steps: int, batch: int, seq: int, scan_unroll: int = 0) -> dict:
   config = dataclasses.replace(BENCH_CONFIG, scan_unroll=scan_unroll)
   model = Decoder(config, rngs=nnx.Rngs(0))
   n_params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  step_fn, args = _step_fn(model, layers)
-  step = lambda *a: step_fn(*a)
+  step, args = _step_fn(model, "scan")
   ids = jax.random.randint(jax.random.key(2), (batch, seq), 0, config.vocab_size)
   args = (*args, ids)
   start = time.perf_counter()
@@ -110,7 +109,7 @@ def run(steps: int, batch: int, seq: int, scan_unroll: int = 0, layers: str = "s
   assert total == n_params, (total, n_params)
   step_s = min(times)  # best of: the least disturbed by other processes, like the peak
   tokens_s = batch * seq / step_s
-  return dict(layers=layers, config=config, n_params=n_params, matmul_params=matmul, batch=batch, seq=seq, steps=steps,
+  return dict(config=config, n_params=n_params, matmul_params=matmul, batch=batch, seq=seq, steps=steps,
               step_times=times, step_s=step_s, compile_s=compile_s, tokens_s=tokens_s,
               flops_token=flops_token, achieved=tokens_s * flops_token, peak=peak, peak_n=peak_n,
               mfu=tokens_s * flops_token / peak)
