@@ -117,8 +117,10 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
   # Slots over the batch axes, kv heads over the tensor axis (kv_cache.constrain), pinned
   # wherever the loop writes the cache so its carry keeps that layout.
   pin = functools.partial(kv_cache_lib.constrain, mesh_rules=mesh_rules)
-  cache = pin(kv_cache_lib.init_cache(model.config, M, cache_length(P, T, cfg.prefill_chunk),
-                                      cfg.cache_dtype, per_row=True))
+  # The cache starts short and grows (kv_cache.grow) when an active slot reaches its end; every
+  # length has its own loop (decoding.cache_phase_lengths; one phase: full length from the start).
+  lengths = decoding.cache_phase_lengths(cache_length(P, T, cfg.prefill_chunk), loop.cache_phases, H + 1)
+  cache = pin(kv_cache_lib.init_cache(model.config, M, lengths[0], cfg.cache_dtype, per_row=True))
   state0 = dict(
       cache=cache,
       row=constrain(jnp.full((M,), -1, jnp.int32)),  # the row in each slot; -1 = free
@@ -192,7 +194,16 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
   def busy(s):
     return jnp.any(s["row"] >= 0) | (s["next_row"] < N)
 
-  s = jax.lax.while_loop(busy, lambda s: decode(refill(s)), state0)
+  def fits(s, length):
+    # Every active slot's next write (at its cache index) lands inside `length` positions; a
+    # refilled slot starts at H < length.
+    return jnp.all((s["row"] < 0) | (s["cache"].index < length))
+
+  s = state0
+  for i, length in enumerate(lengths):
+    if i:
+      s = dict(s, cache=pin(kv_cache_lib.grow(s["cache"], length)))
+    s = jax.lax.while_loop(lambda s, n=length: busy(s) & fits(s, n), lambda s: decode(refill(s)), s)
   mask_NxT = (jnp.arange(T)[None, :] < s["lengths"][:, None]).astype(jnp.int32)
   return decoding.SampleResult(tokens=s["tokens"], logprobs=s["logprobs"], mask=mask_NxT,
                                   lengths=s["lengths"], truncated=~s["stopped"])
@@ -215,7 +226,7 @@ def lower(graphdef, params, *, prompts: int, prompt_len: int, group_size: int,
   greedy = temperature == 0
   cfg = EngineConfig(decoding.LoopConfig(
       int(group_size), int(max_new_tokens), int(pad_id), greedy,
-      0 if greedy else int(top_k), 1.0 if greedy else float(top_p)), int(slots), int(prefill_chunk),
+      0 if greedy else int(top_k), 1.0 if greedy else float(top_p), 1), int(slots), int(prefill_chunk),
       cache_dtype)
   mesh_rules = None
   sharding = None

@@ -192,6 +192,16 @@ def advance(cache: KVCache, k: tuple, v: tuple, new_mask_BxS, length: int) -> KV
   return KVCache(k=tuple(k), v=tuple(v), mask=new_mask_BxS, index=cache.index + length)
 
 
+def grow(cache: KVCache, length: int) -> KVCache:
+  """The cache with room for `length` positions per row: the new positions empty (mask 0)."""
+  extra = length - cache.mask.shape[1]
+  if extra < 0:
+    raise ValueError(f"cannot grow a cache of {cache.mask.shape[1]} positions to {length}")
+  pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
+  return KVCache(k=tuple(pad(x, 3) for x in cache.k), v=tuple(pad(x, 2) for x in cache.v),
+                 mask=pad(cache.mask, 1), index=cache.index)
+
+
 def fill_slots(cache: KVCache, slots_R, prefill: KVCache) -> KVCache:
   """Resets slots `slots_R` and copies a prefilled [R, ..., P, ...] cache into their first P positions.
 

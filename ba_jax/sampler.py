@@ -23,6 +23,7 @@ from flax import nnx
 
 from ba_jax import decoding
 from ba_jax import engine
+from ba_jax import kv_cache as kv_cache_lib
 from ba_jax import model as model_lib
 from ba_jax import sharding as sharding_lib
 from ba_jax.draw import draw_tokens, row_uniforms
@@ -67,7 +68,9 @@ def _sample_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng,
   B, P = prompt_ids_BxP.shape
   N = B * G
   ids_BxP, mask_BxP = left_justify(prompt_ids_BxP, prompt_mask_BxP, cfg.pad_id)
-  cache = model_lib.init_cache(model.config, B, P + T - 1)  # the last token is not fed
+  # The last token is not fed: P + T - 1 positions in all, reached through the loop's phases.
+  lengths = decoding.cache_phase_lengths(P + T - 1, cfg.cache_phases, P + 1 if T > 1 else P)
+  cache = model_lib.init_cache(model.config, B, lengths[0])
   cache = jax.tree.map(lambda x: _constrain(x, mesh_rules), cache)
   layers = model.layer_slices()  # once, outside the decode loop (see Decoder.layer_slices)
   logits_BxPxV, cache = model(ids_BxP, mask_BxP, cache=cache, layers=layers)
@@ -109,8 +112,13 @@ def _sample_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng,
     return step + 1, cache, tok_N, done_N, lengths_N, tokens_NxT, logprobs_NxT
 
   carry = (jnp.int32(1), cache, tok_N, done_N, lengths_N, tokens_NxT, logprobs_NxT)
-  _, _, _, done_N, lengths_N, tokens_NxT, logprobs_NxT = jax.lax.while_loop(
-      cond, body, carry)
+  for i, length in enumerate(lengths):
+    if i:  # the longest row reached the cache's end: grow it (kv_cache.grow)
+      grown = jax.tree.map(lambda x: _constrain(x, mesh_rules), kv_cache_lib.grow(carry[1], length))
+      carry = carry[:1] + (grown,) + carry[2:]
+    # Each phase's loop runs while the next write fits its cache (the last one always does).
+    carry = jax.lax.while_loop(lambda c, n=length: cond(c) & (c[1].index < n), body, carry)
+  _, _, _, done_N, lengths_N, tokens_NxT, logprobs_NxT = carry
   mask_NxT = (jnp.arange(T)[None, :] < lengths_N[:, None]).astype(jnp.int32)
   return SampleResult(tokens=tokens_NxT, logprobs=logprobs_NxT, mask=mask_NxT,
                       lengths=lengths_N, truncated=~done_N)
@@ -168,7 +176,8 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
                   rng: jax.Array, prompt_buckets: Sequence[int] | None = None,
                   mesh: jax.sharding.Mesh | None = None,
                   rules=None, max_slots: int | None = None,
-                  prefill_chunk: int = 0, row_budgets=None) -> SampleResult:
+                  prefill_chunk: int = 0, row_budgets=None,
+                  cache_phases: int | None = None) -> SampleResult:
   """Samples `group_size` responses for each of B prompts in one jitted call.
 
   Args:
@@ -200,6 +209,9 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
     row_budgets: optional int [B*G], each row's own budget in [1, T]; a row
       that reaches it is truncated (e.g. per-prompt budgets, or a benchmark's
       forced length schedule).
+    cache_phases: how many cache lengths the decode loop grows through, so a step's attention
+      reads about the written part of the cache, not all of it (`decoding.auto_cache_phases`;
+      None: 8 on CPU for caches of 256+ positions, else 1). Same tokens either way.
 
   Returns:
     A `SampleResult`. `logprobs` are full-vocabulary log-probs at the sampling
@@ -239,10 +251,17 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
       raise ValueError(f"row_budgets must be ints in [1, max_new_tokens={max_new_tokens}] of shape"
                        f" [B*G] = ({B * group_size},), got shape {row_budgets.shape}")
     row_budgets = jnp.asarray(row_budgets, jnp.int32)
+  if cache_phases is not None and (not isinstance(cache_phases, (int, np.integer)) or cache_phases < 1):
+    raise ValueError(f"cache_phases must be None (auto) or an int >= 1, got {cache_phases!r}")
   bucket = bucket_length(P, prompt_buckets)
   greedy = temperature == 0  # Greedy ignores top-k / top-p: one program for it.
+  engine_on = uses_engine(max_slots or 0, B * group_size)
+  if cache_phases is None:
+    length = (engine.cache_length(bucket, max_new_tokens, prefill_chunk) if engine_on
+              else bucket + max_new_tokens - 1)
+    cache_phases = decoding.auto_cache_phases(length)
   cfg = _LoopConfig(int(group_size), int(max_new_tokens), int(pad_id), greedy,
-                    0 if greedy else int(top_k), 1.0 if greedy else float(top_p))
+                    0 if greedy else int(top_k), 1.0 if greedy else float(top_p), int(cache_phases))
 
   ids_BxP = jnp.asarray(prompt_ids, jnp.int32)
   mask_BxP = jnp.asarray(local_mask, jnp.int32)
@@ -260,7 +279,7 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
       row_budgets = _to_global(row_budgets, mesh_rules)
   args = (graphdef, state, ids_BxP, mask_BxP, rng, jnp.float32(1.0 if greedy else temperature),
           _padded_eos(eos_ids))
-  if uses_engine(max_slots or 0, B * group_size):
+  if engine_on:
     engine_cfg = engine.EngineConfig(cfg, int(max_slots) * jax.process_count(), int(prefill_chunk))
     result = engine.engine_jit(*args, cfg=engine_cfg, mesh_rules=mesh_rules, budget_N=row_budgets)
   else:

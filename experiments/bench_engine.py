@@ -35,7 +35,7 @@ from flax import nnx
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from ba_jax import attention as attention_lib
-from ba_jax import engine, hf, kv_cache, sampler
+from ba_jax import decoding, engine, hf, kv_cache, sampler
 
 EOS_ID, PAD_ID = 1, 0
 FULL = dict(vocab=32000, hidden=512, mlp=1536, layers=8, heads=8, kv_heads=4, head_dim=64,
@@ -118,14 +118,15 @@ def part_b(ours, theirs, s, lines):
   mask = np.ones_like(ids)
   graphdef, state = nnx.split(ours)
 
-  def static(temperature, key):
+  def static(temperature, key, phases=None):
     return sampler.sample_groups(ours, ids, mask, group_size=G, max_new_tokens=T,
                                  temperature=temperature, eos_id=EOS_ID, pad_id=PAD_ID,
-                                 rng=jax.random.key(key))
+                                 rng=jax.random.key(key), cache_phases=phases)
 
   def eng(temperature, key):  # the engine itself, every row in its own slot
     greedy = temperature == 0
-    cfg = engine.EngineConfig(sampler._LoopConfig(G, T, PAD_ID, greedy, 0, 1.0), B * G)  # pylint: disable=protected-access
+    phases = decoding.auto_cache_phases(engine.cache_length(P, T))
+    cfg = engine.EngineConfig(decoding.LoopConfig(G, T, PAD_ID, greedy, 0, 1.0, phases), B * G)
     return engine.engine_jit(graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
                              jax.random.key(key), jnp.float32(1.0 if greedy else temperature),
                              jnp.full((4,), EOS_ID, jnp.int32), cfg=cfg, mesh_rules=None)
@@ -142,7 +143,8 @@ def part_b(ours, theirs, s, lines):
   rows = []
   for mode, temperature in (("sample, T=1.0", 1.0), ("greedy", 0.0)):
     result = {}
-    for system, fn in (("sample_groups", static), ("engine", eng)):
+    for system, fn in (("sample_groups", static), ("engine", eng),
+                       ("one phase", lambda t, k: static(t, k, phases=1))):
       fn(temperature, 0).lengths.block_until_ready()
       seconds, out = _timed(lambda: fn(temperature, 1))
       result[system] = int(np.asarray(out.lengths).sum()) / seconds
@@ -158,16 +160,20 @@ def part_b(ours, theirs, s, lines):
       f"{B} prompts x G={G} = {B * G} rows, {P}-token prompts, {T} new tokens (no row stops),"
       " run one after another in this process. transformers: `generate(do_sample=True,"
       " temperature=1.0, top_k=0, top_p=1.0)` / `generate(do_sample=False)` on the prompts"
-      " repeated G times.",
+      " repeated G times. Ours grow the KV cache through"
+      f" {decoding.auto_cache_phases(P + T - 1)} lengths (`cache_phases`, the CPU default);"
+      " \"one phase\" is `sample_groups(cache_phases=1)`, the whole cache from the first step.",
       "",
-      f"| mode | sample_groups tok/s | engine ({B * G} slots) tok/s | transformers tok/s |"
-      " sample_groups / transformers | engine / transformers |",
-      "|---|---|---|---|---|---|",
+      f"| mode | sample_groups tok/s | engine ({B * G} slots) tok/s | sample_groups, one phase |"
+      " transformers tok/s | sample_groups / transformers | engine / transformers |"
+      " one phase / transformers |",
+      "|---|---|---|---|---|---|---|---|",
   ]
   for mode, r in rows:
-    lines.append(f"| {mode} | {r['sample_groups']:.0f} | {r['engine']:.0f} | {r['transformers']:.0f}"
-                 f" | {r['sample_groups'] / r['transformers']:.2f}x |"
-                 f" {r['engine'] / r['transformers']:.2f}x |")
+    hf_tps = r["transformers"]
+    lines.append(f"| {mode} | {r['sample_groups']:.0f} | {r['engine']:.0f} | {r['one phase']:.0f}"
+                 f" | {hf_tps:.0f} | {r['sample_groups'] / hf_tps:.2f}x | {r['engine'] / hf_tps:.2f}x"
+                 f" | {r['one phase'] / hf_tps:.2f}x |")
   lines.append("")
 
 
@@ -229,7 +235,12 @@ def profile_step(model, s, lines):
     return attention_lib.full_attention(q.reshape(N, 1, c.num_heads, c.head_dim), k, v, allowed,
                                         kv_axes="bksd", k_axes="bkds")
 
-  def attention_ksd(q, k, v, allowed):  # before: keys [B,K,S,D] and a unit query axis
+  def attention_matmul(q, k, v, allowed):  # before: the same layout as two batched matmuls
+    scores = jnp.einsum("bkgd,bkds->bkgs", q[:, 0], k) * c.head_dim ** -0.5
+    scores = jnp.where(allowed[:, 0, None, None], scores, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bkgs,bksd->bkgd", jax.nn.softmax(scores, -1), v)
+
+  def attention_ksd(q, k, v, allowed):  # before that: keys [B,K,S,D] and a unit query axis
     scores = jnp.einsum("blkgd,bksd->bkgls", q, k) * c.head_dim ** -0.5
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     return jnp.einsum("bkgls,bksd->blkgd", jax.nn.softmax(scores, -1), v)
@@ -250,7 +261,10 @@ def profile_step(model, s, lines):
        new_kv, cache.index),
       ("cache write x 2 (k, v), one layer, shared index", cache_write, cache.k[0], cache.v[0],
        new_kv, shared.index),
-      ("attention over the cache, one layer", attention, q, cache.k[0], cache.v[0], allowed),
+      ("attention over the cache, one layer (ours now: fused multiply-and-sum reductions)", attention,
+       q, cache.k[0], cache.v[0], allowed),
+      ("attention over the cache, one layer, as two batched matmuls (before)", attention_matmul, q,
+       cache.k[0], cache.v[0], allowed),
       ("attention over the cache, one layer, before (keys [B,K,S,D], query axis kept)", attention_ksd, q,
        jnp.swapaxes(cache.k[0], -1, -2), cache.v[0], allowed),
       ("LM head matmul [rows, hidden] x [hidden, vocab]", lambda x, h: x @ h, x, head),

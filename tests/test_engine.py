@@ -134,6 +134,27 @@ def test_refilled_row_is_what_it_would_be_alone(ours, prompts, stop_ids):
   assert not np.array_equal(mixed.tokens[:G], base.tokens[:G])
 
 
+@pytest.mark.parametrize("max_slots", [0, 3])
+def test_growing_cache_gives_the_same_samples(ours, prompts, stop_ids, max_slots, monkeypatch):
+  """A decode loop that starts on a short cache and grows it (cache_phases) samples what the
+  full-length cache does, with refills crossing the phases (engine) or not (static)."""
+  ids, mask = prompts
+  kw = dict(temperature=1.0, eos_id=(EOS_ID,) + stop_ids, rng=jax.random.key(5), max_new_tokens=24,
+            max_slots=max_slots)
+  lengths = []
+  real_grow = kv_cache.grow
+  monkeypatch.setattr(kv_cache, "grow", lambda cache, n: lengths.append(n) or real_grow(cache, n))
+  grown = _sample(ours, ids, mask, **kw, cache_phases=4)
+  # Bucket 16, 24 new tokens: both caches end at 39 positions (static: 16 + 23; the engine:
+  # 15 + 24, its prompt's last token being fed by the first decode step) and start at 17 / 16.
+  assert lengths == [20, 30, 39], lengths
+  full = _sample(ours, ids, mask, **kw, cache_phases=1)
+  assert len(set(full.lengths.tolist())) > 2 and full.lengths.max() > 20, "rows must cross phases"
+  _assert_same(grown, full)
+  with pytest.raises(ValueError, match="cache_phases"):
+    _sample(ours, ids, mask, cache_phases=0)
+
+
 def test_chunked_prefill_and_group_major_order(ours, stop_ids):
   ids, mask = left_padded_batch(seed=4, batch=3, length=21)
   kw = dict(group_size=3, eos_id=(EOS_ID,) + stop_ids)
