@@ -13,6 +13,11 @@ prompt + response budget, whatever B is. One jitted `while_loop` runs:
   decode: one token for every slot (idle slots feed padding under mask 0);
           a row that emits a stop token or reaches its budget frees its slot.
 
+With `LoopConfig.cache_phases` > 1 (the CPU default for long caches, see
+`decoding.auto_cache_phases`) a step decodes on the shortest prefix of the
+cache that holds every active slot (`_phase_loop`), one `while_loop` per
+length, so attention skips the positions no slot has reached.
+
 On a mesh the cache's slots split over the batch axes and its kv heads over
 the tensor axis (`kv_cache.constrain`); `kv_cache.bytes_per_device` counts
 that layout, and `rollout.decode_slots` turns a per-device budget into slots.
@@ -92,6 +97,33 @@ def _prefill(model, ids_RxH, mask_RxH, chunk: int, layers=None) -> kv_cache_lib.
   return jax.lax.fori_loop(0, H // chunk, one_chunk, cache)
 
 
+def _phase_loop(state, lengths, busy, step, pin):
+  """Runs `step` while `busy`, each step on the shortest cache prefix of `lengths` that holds
+  every active slot's next write.
+
+  One pass of the outer loop visits the lengths in turn: it copies the cache's first `length`
+  positions out, decodes on them while every active slot fits and the slots do not fit two
+  lengths shorter (then the pass ends and the next one starts over from the shortest), and
+  writes them back. A slice per visit, not per step: XLA:CPU copies a sliced cache, and a
+  visit lasts many steps. Phases without work run no step (their copies remain).
+  """
+  def need(s):  # the index of the shortest length that holds every active slot's next write
+    top = jnp.max(jnp.where(s["row"] >= 0, s["cache"].index, 0))
+    return jnp.sum(top >= jnp.asarray(lengths, jnp.int32), dtype=jnp.int32)
+
+  def one_pass(s):
+    full = s["cache"]
+    for j, length in enumerate(lengths):
+      part = pin(kv_cache_lib.prefix(s["cache"], length))
+      part = jax.lax.while_loop(
+          lambda t, j=j: busy(t) & (need(t) <= j) & (need(t) >= j - 1), step, dict(s, cache=part))
+      s = dict(part, cache=pin(kv_cache_lib.put_prefix(full, part["cache"])))
+      full = s["cache"]
+    return s
+
+  return jax.lax.while_loop(busy, one_pass, state)
+
+
 def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, temperature, eos_E,
                     cfg: EngineConfig, mesh_rules, budget_N=None):
   global _TRACE_COUNT
@@ -117,10 +149,11 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
   # Slots over the batch axes, kv heads over the tensor axis (kv_cache.constrain), pinned
   # wherever the loop writes the cache so its carry keeps that layout.
   pin = functools.partial(kv_cache_lib.constrain, mesh_rules=mesh_rules)
-  # The cache starts short and grows (kv_cache.grow) when an active slot reaches its end; every
-  # length has its own loop (decoding.cache_phase_lengths; one phase: full length from the start).
+  # The whole cache lives in the loop's state; with several phases (decoding.cache_phase_lengths)
+  # each decode step runs on its first `length` positions, the shortest that holds every active
+  # slot, so attention does not read positions no slot has reached (see `_phase_loop`).
   lengths = decoding.cache_phase_lengths(cache_length(P, T, cfg.prefill_chunk), loop.cache_phases, H + 1)
-  cache = pin(kv_cache_lib.init_cache(model.config, M, lengths[0], cfg.cache_dtype, per_row=True))
+  cache = pin(kv_cache_lib.init_cache(model.config, M, lengths[-1], cfg.cache_dtype, per_row=True))
   state0 = dict(
       cache=cache,
       row=constrain(jnp.full((M,), -1, jnp.int32)),  # the row in each slot; -1 = free
@@ -194,16 +227,11 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
   def busy(s):
     return jnp.any(s["row"] >= 0) | (s["next_row"] < N)
 
-  def fits(s, length):
-    # Every active slot's next write (at its cache index) lands inside `length` positions; a
-    # refilled slot starts at H < length.
-    return jnp.all((s["row"] < 0) | (s["cache"].index < length))
-
-  s = state0
-  for i, length in enumerate(lengths):
-    if i:
-      s = dict(s, cache=pin(kv_cache_lib.grow(s["cache"], length)))
-    s = jax.lax.while_loop(lambda s, n=length: busy(s) & fits(s, n), lambda s: decode(refill(s)), s)
+  step = lambda s: decode(refill(s))
+  if len(lengths) == 1:
+    s = jax.lax.while_loop(busy, step, state0)
+  else:
+    s = _phase_loop(state0, lengths, busy, step, pin)
   mask_NxT = (jnp.arange(T)[None, :] < s["lengths"][:, None]).astype(jnp.int32)
   return decoding.SampleResult(tokens=s["tokens"], logprobs=s["logprobs"], mask=mask_NxT,
                                   lengths=s["lengths"], truncated=~s["stopped"])

@@ -22,6 +22,11 @@ tensor axis, as the k/v projections that fill them), each where it divides; the
 mask and index follow the rows. `bytes_per_device` and `slots_for_budget` count
 that layout.
 
+Attention reads every position of the cache, written or not, so a decode loop may
+run on a shorter cache while its rows are short: the static sampler starts short and
+`grow`s it (zero padding at the end of the sequence axes); the engine decodes on a
+`prefix` and writes it back with `put_prefix` (`decoding.cache_phase_lengths`).
+
 A write never checks bounds inside a trace: `dynamic_update_slice` clamps the
 start, so a slot that runs past `S` overwrites its own last position. The
 engine only lets idle slots get there, and their mask is reset on refill.
@@ -200,6 +205,20 @@ def grow(cache: KVCache, length: int) -> KVCache:
   pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
   return KVCache(k=tuple(pad(x, 3) for x in cache.k), v=tuple(pad(x, 2) for x in cache.v),
                  mask=pad(cache.mask, 1), index=cache.index)
+
+
+def prefix(cache: KVCache, length: int) -> KVCache:
+  """The cache's first `length` positions of every row (a copy); `put_prefix` writes them back."""
+  return KVCache(k=tuple(x[..., :length] for x in cache.k), v=tuple(x[:, :, :length] for x in cache.v),
+                 mask=cache.mask[:, :length], index=cache.index)
+
+
+def put_prefix(cache: KVCache, part: KVCache) -> KVCache:
+  """`cache` with its first positions replaced by `part` (from `prefix`), and `part`'s index."""
+  put = lambda big, small: jax.lax.dynamic_update_slice(big, small, (0,) * big.ndim)
+  return KVCache(k=tuple(put(a, b) for a, b in zip(cache.k, part.k)),
+                 v=tuple(put(a, b) for a, b in zip(cache.v, part.v)),
+                 mask=put(cache.mask, part.mask), index=part.index)
 
 
 def fill_slots(cache: KVCache, slots_R, prefill: KVCache) -> KVCache:

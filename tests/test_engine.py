@@ -13,7 +13,7 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from ba_jax import engine, hf, kv_cache, sampler, scoring
+from ba_jax import decoding, engine, hf, kv_cache, sampler, scoring
 from ba_jax import sharding as sharding_lib
 from model_utils import EOS_ID, PAD_ID, left_padded_batch, save_tiny_model
 
@@ -142,17 +142,32 @@ def test_growing_cache_gives_the_same_samples(ours, prompts, stop_ids, max_slots
   kw = dict(temperature=1.0, eos_id=(EOS_ID,) + stop_ids, rng=jax.random.key(5), max_new_tokens=24,
             max_slots=max_slots)
   lengths = []
-  real_grow = kv_cache.grow
-  monkeypatch.setattr(kv_cache, "grow", lambda cache, n: lengths.append(n) or real_grow(cache, n))
+  name = "grow" if max_slots == 0 else "prefix"  # the static cache grows; the engine's is sliced
+  real = getattr(kv_cache, name)
+  monkeypatch.setattr(kv_cache, name, lambda cache, n: lengths.append(n) or real(cache, n))
   grown = _sample(ours, ids, mask, **kw, cache_phases=4)
   # Bucket 16, 24 new tokens: both caches end at 39 positions (static: 16 + 23; the engine:
   # 15 + 24, its prompt's last token being fed by the first decode step) and start at 17 / 16.
-  assert lengths == [20, 30, 39], lengths
+  assert lengths == ([20, 30, 39] if max_slots == 0 else [16, 20, 30, 39]), lengths
   full = _sample(ours, ids, mask, **kw, cache_phases=1)
   assert len(set(full.lengths.tolist())) > 2 and full.lengths.max() > 20, "rows must cross phases"
   _assert_same(grown, full)
   with pytest.raises(ValueError, match="cache_phases"):
     _sample(ours, ids, mask, cache_phases=0)
+
+
+def test_cache_phase_lengths_and_the_cpu_default(ours):
+  assert decoding.cache_phase_lengths(287, 8, 33) == (36, 72, 108, 144, 180, 216, 252, 287)
+  assert decoding.cache_phase_lengths(50, 4, 40) == (40, 50)  # none shorter than the start
+  assert decoding.cache_phase_lengths(50, 1, 40) == (50,)
+  assert decoding.auto_cache_phases(287, "cpu") == decoding.AUTO_PHASES > 1
+  assert decoding.auto_cache_phases(287, "tpu") == decoding.auto_cache_phases(100, "cpu") == 1
+  cache = kv_cache.init_cache(ours.config, 2, 5, per_row=True)
+  grown = kv_cache.grow(cache.replace(mask=cache.mask.at[:, :3].set(1)), 9)
+  assert grown.k[0].shape[-1] == grown.v[0].shape[-2] == grown.mask.shape[1] == 9
+  assert grown.mask.sum() == 6 and grown.index.shape == (2,)
+  with pytest.raises(ValueError, match="cannot grow a cache of 9 positions to 5"):
+    kv_cache.grow(grown, 5)
 
 
 def test_chunked_prefill_and_group_major_order(ours, stop_ids):
