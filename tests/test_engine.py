@@ -214,6 +214,11 @@ def test_sharded_on_8_devices_equals_one_device(checkpoint, ours, prompts, stop_
   res = sampler.sample_groups(sharded, *prompts, group_size=G, max_new_tokens=T, pad_id=PAD_ID, **kw)
   assert res.tokens.sharding.spec[0] == ("data", "fsdp")
   _assert_same(jax.device_get(res), want)
+  # A cache sliced (engine) or grown (static) through phases keeps its sharding and its samples.
+  for slots in (4, 0):
+    phased = sampler.sample_groups(sharded, *prompts, group_size=G, max_new_tokens=T, pad_id=PAD_ID,
+                                   **dict(kw, max_slots=slots), cache_phases=3)
+    _assert_same(jax.device_get(phased), want)
   # The dry run's entry: lower on abstract sharded inputs.
   graphdef, state = nnx.split(sharded)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
