@@ -40,8 +40,8 @@ class LoopConfig:
   greedy: bool
   top_k: int
   top_p: float
-  # Cache lengths the decode loop grows through (1: the whole length from the start); see
-  # `cache_phase_lengths`.
+  # Cache lengths the decode loop runs through (1: the whole length from the start; 0: the
+  # backend's default, `auto_cache_phases`); see `cache_phase_lengths`.
   cache_phases: int = 1
 
 
@@ -53,11 +53,12 @@ def auto_cache_phases(length: int, backend: str | None = None) -> int:
   """Phases for a `length`-position cache: `AUTO_PHASES` on CPU for long caches, else 1.
 
   A decode step's attention reads every position of the cache, written or not. On XLA:CPU,
-  where that read is a third of a step, the loop starts on a short cache and grows it
-  (`kv_cache.grow`) when the longest row reaches its end: a step then reads ~the written part
-  (experiments/results/engine_bench.md). Each phase compiles its own loop body, and growing
-  holds the old and the new cache at once, so accelerators (where a paged or ragged attention
-  kernel is the way to skip empty positions) and short caches keep one phase.
+  where that read is a third of a step, each step runs on the shortest of a few cache lengths
+  that holds its rows (the static sampler grows its cache, `kv_cache.grow`; the engine slices
+  a prefix, `kv_cache.prefix`): a step then reads ~the written part
+  (experiments/results/engine_bench.md). Each phase compiles its own loop body, and growing or
+  slicing holds up to two copies of the cache, so accelerators (where a paged or ragged
+  attention kernel is the way to skip empty positions) and short caches keep one phase.
   """
   if length >= AUTO_PHASES_MIN_LENGTH and (backend or jax.default_backend()) == "cpu":
     return AUTO_PHASES
@@ -65,8 +66,9 @@ def auto_cache_phases(length: int, backend: str | None = None) -> int:
 
 
 def cache_phase_lengths(total: int, phases: int, first: int) -> tuple[int, ...]:
-  """Increasing cache lengths ending at `total`: `phases` equal steps, none below `first` (the
-  shortest cache the loop can start on)."""
+  """Increasing cache lengths ending at `total`: `phases` equal steps (0: `auto_cache_phases`),
+  none below `first` (the shortest cache the loop can start on)."""
+  phases = phases or auto_cache_phases(total)
   lengths = sorted({min(total, max(first, -(-total * j // phases))) for j in range(1, phases + 1)})
   return tuple(lengths)
 

@@ -112,13 +112,11 @@ def _phase_loop(state, lengths, busy, step, pin):
     return jnp.sum(top >= jnp.asarray(lengths, jnp.int32), dtype=jnp.int32)
 
   def one_pass(s):
-    full = s["cache"]
     for j, length in enumerate(lengths):
       part = pin(kv_cache_lib.prefix(s["cache"], length))
       part = jax.lax.while_loop(
           lambda t, j=j: busy(t) & (need(t) <= j) & (need(t) >= j - 1), step, dict(s, cache=part))
-      s = dict(part, cache=pin(kv_cache_lib.put_prefix(full, part["cache"])))
-      full = s["cache"]
+      s = dict(part, cache=pin(kv_cache_lib.put_prefix(s["cache"], part["cache"])))
     return s
 
   return jax.lax.while_loop(busy, one_pass, state)
@@ -254,8 +252,8 @@ def lower(graphdef, params, *, prompts: int, prompt_len: int, group_size: int,
   greedy = temperature == 0
   cfg = EngineConfig(decoding.LoopConfig(
       int(group_size), int(max_new_tokens), int(pad_id), greedy,
-      0 if greedy else int(top_k), 1.0 if greedy else float(top_p), 1), int(slots), int(prefill_chunk),
-      cache_dtype)
+      0 if greedy else int(top_k), 1.0 if greedy else float(top_p), cache_phases=1), int(slots),
+      int(prefill_chunk), cache_dtype)
   mesh_rules = None
   sharding = None
   if mesh is not None:

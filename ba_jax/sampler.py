@@ -209,7 +209,7 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
     row_budgets: optional int [B*G], each row's own budget in [1, T]; a row
       that reaches it is truncated (e.g. per-prompt budgets, or a benchmark's
       forced length schedule).
-    cache_phases: how many cache lengths the decode loop grows through, so a step's attention
+    cache_phases: how many cache lengths the decode loop runs through, so a step's attention
       reads about the written part of the cache, not all of it (`decoding.auto_cache_phases`;
       None: 8 on CPU for caches of 256+ positions, else 1). Same tokens either way.
 
@@ -255,13 +255,9 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
     raise ValueError(f"cache_phases must be None (auto) or an int >= 1, got {cache_phases!r}")
   bucket = bucket_length(P, prompt_buckets)
   greedy = temperature == 0  # Greedy ignores top-k / top-p: one program for it.
-  engine_on = uses_engine(max_slots or 0, B * group_size)
-  if cache_phases is None:
-    length = (engine.cache_length(bucket, max_new_tokens, prefill_chunk) if engine_on
-              else bucket + max_new_tokens - 1)
-    cache_phases = decoding.auto_cache_phases(length)
   cfg = _LoopConfig(int(group_size), int(max_new_tokens), int(pad_id), greedy,
-                    0 if greedy else int(top_k), 1.0 if greedy else float(top_p), int(cache_phases))
+                    0 if greedy else int(top_k), 1.0 if greedy else float(top_p),
+                    int(cache_phases or 0))  # 0: the program's length picks (auto_cache_phases)
 
   ids_BxP = jnp.asarray(prompt_ids, jnp.int32)
   mask_BxP = jnp.asarray(local_mask, jnp.int32)
@@ -279,7 +275,7 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
       row_budgets = _to_global(row_budgets, mesh_rules)
   args = (graphdef, state, ids_BxP, mask_BxP, rng, jnp.float32(1.0 if greedy else temperature),
           _padded_eos(eos_ids))
-  if engine_on:
+  if uses_engine(max_slots or 0, B * group_size):
     engine_cfg = engine.EngineConfig(cfg, int(max_slots) * jax.process_count(), int(prefill_chunk))
     result = engine.engine_jit(*args, cfg=engine_cfg, mesh_rules=mesh_rules, budget_N=row_budgets)
   else:

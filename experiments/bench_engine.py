@@ -125,8 +125,7 @@ def part_b(ours, theirs, s, lines):
 
   def eng(temperature, key):  # the engine itself, every row in its own slot
     greedy = temperature == 0
-    phases = decoding.auto_cache_phases(engine.cache_length(P, T))
-    cfg = engine.EngineConfig(decoding.LoopConfig(G, T, PAD_ID, greedy, 0, 1.0, phases), B * G)
+    cfg = engine.EngineConfig(decoding.LoopConfig(G, T, PAD_ID, greedy, 0, 1.0, cache_phases=0), B * G)
     return engine.engine_jit(graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
                              jax.random.key(key), jnp.float32(1.0 if greedy else temperature),
                              jnp.full((4,), EOS_ID, jnp.int32), cfg=cfg, mesh_rules=None)

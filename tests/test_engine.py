@@ -162,6 +162,8 @@ def test_cache_phase_lengths_and_the_cpu_default(ours):
   assert decoding.cache_phase_lengths(50, 1, 40) == (50,)
   assert decoding.auto_cache_phases(287, "cpu") == decoding.AUTO_PHASES > 1
   assert decoding.auto_cache_phases(287, "tpu") == decoding.auto_cache_phases(100, "cpu") == 1
+  assert decoding.cache_phase_lengths(287, 0, 33) == decoding.cache_phase_lengths(  # 0: auto
+      287, decoding.auto_cache_phases(287), 33)
   cache = kv_cache.init_cache(ours.config, 2, 5, per_row=True)
   grown = kv_cache.grow(cache.replace(mask=cache.mask.at[:, :3].set(1)), 9)
   assert grown.k[0].shape[-1] == grown.v[0].shape[-2] == grown.mask.shape[1] == 9
