@@ -340,7 +340,7 @@ def _dry_run_engine(setup, params_in, platform, resident: int) -> dict:
   mesh, rules = setup.mesh, setup.rules
   slots = rl.max_slots * jax.process_count()
   bucket = sampler_lib.bucket_length(setup.config.task.max_prompt_len)
-  length = engine_lib.cache_length(bucket, rl.max_new_tokens)
+  length = engine_lib.cache_length(bucket, rl.max_new_tokens, rl.prefill_chunk)
   # XLA:CPU has no bfloat16 scatter or dynamic-update-slice: it would write
   # a bfloat16 cache through float32 copies of its keys and values (convert,
   # write, convert back in the compiled HLO), which an accelerator writes in
@@ -354,7 +354,7 @@ def _dry_run_engine(setup, params_in, platform, resident: int) -> dict:
       prompt_len=bucket, group_size=rl.group_size,
       max_new_tokens=rl.max_new_tokens, slots=slots, mesh=mesh, rules=rules,
       temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p,
-      cache_dtype=compiled_dtype)
+      prefill_chunk=rl.prefill_chunk, cache_dtype=compiled_dtype)
   out = _compile(lowered, platform)
   shards = kv_cache_lib.slot_shards(mesh, rules)
   cache = functools.partial(kv_cache_lib.bytes_per_device, c, mesh=mesh,

@@ -215,8 +215,10 @@ def _stop_ids(tokenizer, config) -> tuple[int, ...]:
 
 def make_generate_fn(model, config, tokenizer, *, max_new_tokens: int, temperature: float = 0.6,
                      top_p: float = 1.0, top_k: int = 0, batch_size: int = 8, seed: int = 0,
-                     add_special_tokens: bool = True, max_slots: int | None = None) -> GenerateFn:
-  """A `GenerateFn` that samples through `ba_jax.sampler.sample_groups`."""
+                     add_special_tokens: bool = True, max_slots: int | None = None,
+                     prefill_chunk: int = 0, cache_phases: int = 0) -> GenerateFn:
+  """A `GenerateFn` that samples through `ba_jax.sampler.sample_groups` (`max_slots`,
+  `prefill_chunk`, `cache_phases`: its continuous-batching and cache options)."""
   import jax
   from ba_jax import sampler
 
@@ -241,7 +243,8 @@ def make_generate_fn(model, config, tokenizer, *, max_new_tokens: int, temperatu
       calls[0] += 1
       result = sampler.sample_groups(
           model, ids, mask, group_size=n, max_new_tokens=max_new_tokens, temperature=temperature,
-          top_p=top_p, top_k=top_k, eos_id=eos_ids, pad_id=pad_id, rng=rng, max_slots=max_slots)
+          top_p=top_p, top_k=top_k, eos_id=eos_ids, pad_id=pad_id, rng=rng, max_slots=max_slots,
+          prefill_chunk=prefill_chunk, cache_phases=cache_phases)
       tokens = np.asarray(result.tokens)
       lengths = np.asarray(result.lengths)
       texts = [tokenizer.decode(tokens[r, :lengths[r]].tolist(), skip_special_tokens=True)
@@ -270,8 +273,13 @@ def run_evaluation(model_path: str, benchmarks: Sequence[str], data_dir: str, ou
                    settings: EvalSettings, max_new_tokens: int = 1024, temperature: float = 0.6,
                    top_p: float = 1.0, top_k: int = 0, batch_size: int = 8, seed: int = 0,
                    step: int | None = None, num_workers: int = 2,
-                   limit: int | None = None) -> dict:
-  """Loads the policy and the benchmarks, evaluates, writes results.json and results.md."""
+                   limit: int | None = None, max_slots: int = 0, prefill_chunk: int = 0,
+                   cache_phases: int = 0) -> dict:
+  """Loads the policy and the benchmarks, evaluates, writes results.json and results.md.
+
+  `max_slots` > 0 samples through the continuous-batching engine with that many decode slots
+  (its KV cache holds `max_slots` rows whatever `batch_size` x k is); same samples as 0.
+  """
   from ba_jax import paths
   sets = {}
   for benchmark in benchmarks:
@@ -281,11 +289,12 @@ def run_evaluation(model_path: str, benchmarks: Sequence[str], data_dir: str, ou
   generate = make_generate_fn(model, config, tokenizer, max_new_tokens=max_new_tokens,
                               temperature=temperature, top_p=top_p, top_k=top_k,
                               batch_size=batch_size, seed=seed,
-                              add_special_tokens=settings.template != "chat")
+                              add_special_tokens=settings.template != "chat", max_slots=max_slots,
+                              prefill_chunk=prefill_chunk, cache_phases=cache_phases)
   with rewards.RewardPool(num_workers=num_workers, timeout_s=settings.grader_timeout_s) as pool:
     results = evaluate_benchmarks(generate, sets, settings, tokenizer=tokenizer, pool=pool)
   results["model"] = str(paths.path(model_path))
   results["sampling"] = {"max_new_tokens": max_new_tokens, "temperature": temperature,
-                         "top_p": top_p, "top_k": top_k, "seed": seed}
+                         "top_p": top_p, "top_k": top_k, "seed": seed, "max_slots": max_slots}
   write_results(results, output_dir)
   return results

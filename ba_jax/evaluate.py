@@ -35,6 +35,15 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "Sampling temperature (0 =
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 = off).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Prompts per sampler call.")
+_MAX_SLOTS = flags.DEFINE_integer(
+    "max_slots", 0, "Decode slots of the continuous-batching engine (0: every row of a call at"
+    " once); the KV cache then holds this many rows, whatever batch_size x k is.", lower_bound=0)
+_PREFILL_CHUNK = flags.DEFINE_integer(
+    "prefill_chunk", 0, "The engine prefills prompts this many tokens at a time (0: whole).",
+    lower_bound=0)
+_CACHE_PHASES = flags.DEFINE_integer(
+    "cache_phases", 0, "Cache lengths a decode loop runs through (0: the backend's default).",
+    lower_bound=0)
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a trainer workdir (default: latest).")
 _NUM_WORKERS = flags.DEFINE_integer("num_workers", 2, "Grader processes.")
@@ -55,7 +64,8 @@ def main(argv):
       _MODEL.value, _BENCHMARKS.value, _DATA_DIR.value, _OUTPUT_DIR.value, settings=settings,
       max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
       top_k=_TOP_K.value, batch_size=_BATCH_SIZE.value, seed=_SEED.value, step=_STEP.value,
-      num_workers=_NUM_WORKERS.value, limit=_LIMIT.value)
+      num_workers=_NUM_WORKERS.value, limit=_LIMIT.value, max_slots=_MAX_SLOTS.value,
+      prefill_chunk=_PREFILL_CHUNK.value, cache_phases=_CACHE_PHASES.value)
   print(eval_lib.markdown_table(results))
 
 

@@ -17,9 +17,11 @@ import time
 from ba_jax import paths
 
 # Dotted prefixes of the keys a resumed run may change: how the run is
-# executed, not what it computes.
+# executed, not what it computes (the rollout's prefill chunk and cache phases
+# give the same samples; runs saved before those keys existed resume too).
 FREE_KEYS = ("log", "checkpoint", "eval.every", "mesh", "sharding_rules",
-             "stop_after_steps", "model.remat")
+             "stop_after_steps", "model.remat", "rl.prefill_chunk",
+             "rl.cache_phases")
 CHANGES_FILE = "config_changes.jsonl"
 
 

@@ -55,6 +55,8 @@ class RolloutConfig:
   top_k: int = 0
   max_slots: int = 0  # decode slots per process; 0: every row at once
   kv_cache_gib: float = 0.0  # KV-cache budget per device (0: unused); see decode_slots
+  prefill_chunk: int = 0  # the engine prefills prompts this many tokens at a time; 0: whole
+  cache_phases: int = 0  # cache lengths a decode loop runs through; 0: the backend's default
   advantage_std: str = "group"
   dynamic_sampling: bool = False
   max_sampling_rounds: int = 3
@@ -95,7 +97,8 @@ def decode_slots(rl: RolloutConfig, model_config, *, prompt_len: int, mesh=None,
   GiB of KV cache per device hold.
 
   The engine's cache has ``engine.cache_length`` positions per slot (the
-  prompt bucket of ``prompt_len`` plus the response budget) and splits its
+  prompt bucket of ``prompt_len``, in whole ``rl.prefill_chunk`` chunks, plus
+  the response budget) and splits its
   slots over the batch mesh axes and its kv heads over the tensor axis
   (``kv_cache.bytes_per_device``), so a budget gives the same slots on every
   device whatever the process count: a multiple of the batch shards that
@@ -107,7 +110,7 @@ def decode_slots(rl: RolloutConfig, model_config, *, prompt_len: int, mesh=None,
   rules = sharding_lib.DEFAULT_RULES if rules is None else tuple(rules)
   budget = int(rl.kv_cache_gib * 2**30)
   length = engine_lib.cache_length(sampler_lib.bucket_length(prompt_len),
-                                   rl.max_new_tokens)
+                                   rl.max_new_tokens, rl.prefill_chunk)
   procs = jax.process_count()
   if rl.max_slots:
     need = kv_cache_lib.bytes_per_device(model_config, rl.max_slots * procs,
@@ -208,7 +211,8 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
         model, ids, mask, group_size=G, max_new_tokens=rl.max_new_tokens,
         temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
         eos_id=task.eos_id, pad_id=task.pad_id,
-        rng=jax.random.fold_in(key, rounds), mesh=mesh, rules=rules, max_slots=rl.max_slots)
+        rng=jax.random.fold_in(key, rounds), mesh=mesh, rules=rules, max_slots=rl.max_slots,
+        prefill_chunk=rl.prefill_chunk, cache_phases=rl.cache_phases)
     out = jax.tree.map(np.asarray, out)
     t1 = time.perf_counter()
     texts = task.decode(out.tokens, out.mask)
@@ -260,16 +264,19 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
 
 def heldout_accuracy(model, task, *, samples: int, temperature: float,
                      max_new_tokens: int, key, mesh=None, rules=None,
-                     max_slots: int = 0) -> float:
+                     max_slots: int = 0, prefill_chunk: int = 0,
+                     cache_phases: int = 0) -> float:
   """Mean exact-answer accuracy on the held-out problems (greedy when
-  ``temperature == 0``; then one sample each)."""
+  ``temperature == 0``; then one sample each). ``max_slots``, ``prefill_chunk``
+  and ``cache_phases``: as ``sampler.sample_groups`` (the config's ``rl``)."""
   problems = task.heldout[process_slice(len(task.heldout))]
   ids, mask = task.encode_prompts(problems)
   samples = 1 if temperature == 0 else samples
   out = sampler_lib.sample_groups(
       model, ids, mask, group_size=samples, max_new_tokens=max_new_tokens,
       temperature=temperature, eos_id=task.eos_id, pad_id=task.pad_id,
-      rng=key, mesh=mesh, rules=rules, max_slots=max_slots)
+      rng=key, mesh=mesh, rules=rules, max_slots=max_slots,
+      prefill_chunk=prefill_chunk, cache_phases=cache_phases)
   texts = task.decode(np.asarray(out.tokens), np.asarray(out.mask))
   _, correct = task.grade(texts, [p for p in problems for _ in range(samples)])
   return float(allgather(correct.astype(np.float32)).mean())

@@ -37,6 +37,16 @@ _LoopConfig = decoding.LoopConfig
 _constrain = decoding.constrain_batch
 
 
+class _NoStop:
+  def __repr__(self):
+    return "sampler.NO_STOP"
+
+
+# `sample_groups(eos_id=NO_STOP)`: no stop token, every row runs to its budget (fixed-length
+# sampling, e.g. a benchmark's forced lengths). A sentinel, not None or (), so a tokenizer
+# without an eos id cannot turn stopping off by accident.
+NO_STOP = _NoStop()
+
 _TRACE_COUNT = 0
 
 
@@ -129,14 +139,16 @@ _sample_jit = jax.jit(_sample_program,
 
 
 def _eos_tuple(eos_id, vocab_size: int) -> tuple[int, ...]:
+  if eos_id is NO_STOP:
+    return ()
   ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else eos_id
   try:
     ids = tuple(int(i) for i in ids)
   except TypeError:
     raise ValueError(f"eos_id must be an int or a sequence of ints, got {eos_id!r}")
   if not ids or any(not 0 <= i < vocab_size for i in ids):
-    raise ValueError(f"eos_id must be one or more token ids in [0, {vocab_size}),"
-                     f" got {eos_id!r}")
+    raise ValueError(f"eos_id must be one or more token ids in [0, {vocab_size})"
+                     f" (or sampler.NO_STOP: no stop token), got {eos_id!r}")
   return ids
 
 
@@ -189,7 +201,8 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
     temperature: 0 means greedy (top_k / top_p are then ignored).
     top_p: nucleus mass in (0, 1]; 1 turns it off. Applied after top-k.
     top_k: keep the k most likely tokens; 0 turns it off.
-    eos_id: one stop token id or a sequence of them.
+    eos_id: one stop token id or a sequence of them; `NO_STOP`: none, every row runs to
+      its budget.
     pad_id: the id written after the stop token (and into prompt padding).
     rng: a PRNG key; the same key gives the same output.
     prompt_buckets: static prompt lengths to pad to (default: powers of two,
@@ -211,7 +224,7 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
       forced length schedule).
     cache_phases: how many cache lengths the decode loop runs through, so a step's attention
       reads about the written part of the cache, not all of it (`decoding.auto_cache_phases`;
-      None: 8 on CPU for caches of 256+ positions, else 1). Same tokens either way.
+      None or 0: 8 on CPU for caches of 256+ positions, else 1). Same tokens either way.
 
   Returns:
     A `SampleResult`. `logprobs` are full-vocabulary log-probs at the sampling
@@ -251,8 +264,8 @@ def sample_groups(model, prompt_ids, prompt_mask, *, group_size: int,
       raise ValueError(f"row_budgets must be ints in [1, max_new_tokens={max_new_tokens}] of shape"
                        f" [B*G] = ({B * group_size},), got shape {row_budgets.shape}")
     row_budgets = jnp.asarray(row_budgets, jnp.int32)
-  if cache_phases is not None and (not isinstance(cache_phases, (int, np.integer)) or cache_phases < 1):
-    raise ValueError(f"cache_phases must be None (auto) or an int >= 1, got {cache_phases!r}")
+  if cache_phases is not None and (not isinstance(cache_phases, (int, np.integer)) or cache_phases < 0):
+    raise ValueError(f"cache_phases must be None or 0 (auto) or an int >= 1, got {cache_phases!r}")
   bucket = bucket_length(P, prompt_buckets)
   greedy = temperature == 0  # Greedy ignores top-k / top-p: one program for it.
   cfg = _LoopConfig(int(group_size), int(max_new_tokens), int(pad_id), greedy,

@@ -54,7 +54,9 @@ def evaluate(setup: Setup, params, key) -> dict[str, float]:
     return {}
   c, model = setup.config, nnx.merge(setup.graphdef, params)
   common = dict(max_new_tokens=c.rl.max_new_tokens, mesh=setup.mesh,
-                rules=setup.rules, max_slots=setup.rollout_cfg.max_slots)
+                rules=setup.rules, max_slots=setup.rollout_cfg.max_slots,
+                prefill_chunk=setup.rollout_cfg.prefill_chunk,
+                cache_phases=setup.rollout_cfg.cache_phases)
   return {
       "heldout_acc_sampled": rollout.heldout_accuracy(
           model, setup.task, samples=c.eval.samples_per_problem,

@@ -66,6 +66,11 @@ def base(aggregation: str = "balanced") -> ml_collections.ConfigDict:
       # slots it holds (ba_jax.rollout.decode_slots); with max_slots also
       # set, max_slots is used and must fit it.
       kv_cache_gib=0.0,
+      prefill_chunk=0,  # the engine prefills prompts this many tokens at a time (0: whole)
+      # Cache lengths a decode loop runs through, so attention reads ~the
+      # written part (0: the backend's default, 8 on CPU for 256+ positions,
+      # 1 on accelerators; 1: the whole cache from the first step). Same tokens.
+      cache_phases=0,
       ppo_epochs=1,  # passes over the batch per step
       num_minibatches=2,  # optimizer updates per epoch (whole groups each)
       num_microbatches=1,  # gradient accumulation inside a mini-batch

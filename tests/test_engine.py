@@ -152,8 +152,9 @@ def test_growing_cache_gives_the_same_samples(ours, prompts, stop_ids, max_slots
   full = _sample(ours, ids, mask, **kw, cache_phases=1)
   assert len(set(full.lengths.tolist())) > 2 and full.lengths.max() > 20, "rows must cross phases"
   _assert_same(grown, full)
-  with pytest.raises(ValueError, match="cache_phases"):
-    _sample(ours, ids, mask, cache_phases=0)
+  for bad in (-1, 2.0):
+    with pytest.raises(ValueError, match=f"cache_phases must be None or 0 .auto. or an int >= 1, got {bad}"):
+      _sample(ours, ids, mask, cache_phases=bad)
 
 
 def test_cache_phase_lengths_and_the_cpu_default(ours):
@@ -254,6 +255,24 @@ def test_row_budgets_truncate_each_row(ours, prompts, stop_ids):
   np.testing.assert_array_equal(got.tokens * got.mask, free.tokens * got.mask)
   with pytest.raises(ValueError, match="row_budgets"):
     _sample(ours, ids, mask, row_budgets=np.zeros(8, np.int32))
+
+
+def test_no_stop_token_runs_every_row_to_its_budget(ours, prompts, stop_ids):
+  """`eos_id=sampler.NO_STOP`: the tokens that stopped rows before are drawn and kept."""
+  ids, mask = prompts
+  budgets = np.array([1, 3, 10, 5, 2, 10, 7, 4], np.int32)
+  kw = dict(temperature=1.0, rng=jax.random.key(11), max_new_tokens=10)
+  stopping = _sample(ours, ids, mask, **kw, eos_id=(EOS_ID,) + stop_ids)
+  assert not stopping.truncated.all(), "some row must stop for this test to mean anything"
+  for extra in (dict(), dict(max_slots=3), dict(row_budgets=budgets, max_slots=3)):
+    got = _sample(ours, ids, mask, **kw, **extra, eos_id=sampler.NO_STOP)
+    want = budgets if "row_budgets" in extra else np.full(8, 10)
+    np.testing.assert_array_equal(got.lengths, want)
+    assert got.truncated.all() and (got.mask.sum(1) == want).all()
+    # Up to each row's stop, the same draws as with the stop tokens on.
+    np.testing.assert_array_equal(got.tokens * stopping.mask * got.mask,
+                                  stopping.tokens * stopping.mask * got.mask)
+  assert repr(sampler.NO_STOP) == "sampler.NO_STOP"
 
 
 def _worker(checkpoint, out, devices, *dist):

@@ -119,6 +119,29 @@ def test_cli_end_to_end_on_a_tiny_random_model(tmp_path):
   assert "| amc23 | 3 |" in proc.stdout
 
 
+def test_evaluation_through_the_engine_gives_the_same_samples(tmp_path, monkeypatch):
+  """`max_slots` (the CLI's --max_slots) sends the evaluator's sampling through the
+  continuous-batching engine: its slots, not batch_size x k rows, and the same responses."""
+  import model_utils
+  from ba_jax import engine
+  model_dir = model_utils.save_tiny_model("qwen2", tmp_path / "model")
+  slots, real = [], engine.engine_jit
+  monkeypatch.setattr(engine, "engine_jit", lambda *a, **k: slots.append(k["cfg"].slots) or real(*a, **k))
+  kw = dict(settings=eval_lib.EvalSettings(n_samples=3, template="chat"), max_new_tokens=6,
+            temperature=1.0, batch_size=2, num_workers=1, seed=3)
+  static = eval_lib.run_evaluation(str(model_dir), ["amc23"], str(EVAL_DIR), str(tmp_path / "a"), **kw)
+  assert slots == []  # 2 prompts x 3 samples a call, every row at once
+  engine_run = eval_lib.run_evaluation(str(model_dir), ["amc23"], str(EVAL_DIR), str(tmp_path / "b"),
+                                       **kw, max_slots=4, prefill_chunk=2, cache_phases=2)
+  assert slots == [4, 4]  # amc23's 3 problems: two calls of 2 prompts (the second padded)
+  assert engine_run["sampling"]["max_slots"] == 4 and static["sampling"]["max_slots"] == 0
+  a, b = static["benchmarks"]["amc23"], engine_run["benchmarks"]["amc23"]
+  assert [s["responses"] for s in a["samples"]] == [s["responses"] for s in b["samples"]]
+  assert sum(len(r) for s in a["samples"] for r in s["responses"]) > 0
+  assert {k: v for k, v in a["summary"].items() if k != "seconds"} == {
+      k: v for k, v in b["summary"].items() if k != "seconds"}
+
+
 @pytest.mark.slow
 def test_cli_on_a_workdir_the_trainer_wrote(tmp_path):
   """`--model=WORKDIR` on a real trainer workdir (its own config.json does
@@ -141,11 +164,11 @@ def test_cli_on_a_workdir_the_trainer_wrote(tmp_path):
   cmd = [sys.executable, "-m", "ba_jax.evaluate", f"--model={workdir}",
          "--benchmarks=aime24", f"--data_dir={EVAL_DIR}", "--k=2", f"--output_dir={results_dir}",
          "--max_new_tokens=4", "--batch_size=2", "--num_workers=1", "--template=answer",
-         "--rule=answer"]
+         "--rule=answer", "--max_slots=2", "--prefill_chunk=4", "--cache_phases=1"]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   results = json.loads((results_dir / "results.json").read_text())
-  assert results["model"] == str(workdir)
+  assert results["model"] == str(workdir) and results["sampling"]["max_slots"] == 2
   summary = results["benchmarks"]["aime24"]["summary"]
   assert summary["num_problems"] == 2 and summary["samples_per_problem"] == 2
 

@@ -204,10 +204,18 @@ def test_another_model_size_is_one_line_not_a_shape_error(resumable):
   assert "cannot be restored into this architecture" in message
 
 
+def test_a_config_saved_before_the_rollout_cache_keys_resumes():
+  saved = {"rl": {"steps": 2, "max_slots": 0}}
+  new = {"rl": {"steps": 2, "max_slots": 0, "prefill_chunk": 0, "cache_phases": 0}}
+  assert resume.differences(saved, new) == {}
+  assert resume.differences(saved, {"rl": {"steps": 2, "max_slots": 4}}) == {
+      "rl.max_slots": (0, 4)}
+
+
 def test_runtime_keys_may_change_and_allowed_changes_are_recorded(resumable):
   free = {"rl.steps": 0, "log.tensorboard": True, "checkpoint.every": 7,
           "eval.every": 5, "mesh.data": 4, "mesh.fsdp": 2,
-          "stop_after_steps": 9}
+          "stop_after_steps": 9, "rl.prefill_chunk": 8, "rl.cache_phases": 1}
   out = trainer.run(_fast_config(**free), resumable)
   assert out["step"] == 0
   assert not os.path.exists(os.path.join(resumable, resume.CHANGES_FILE))

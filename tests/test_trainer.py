@@ -99,6 +99,8 @@ def test_bad_config_value_is_one_line_naming_it(tmp_path):
     ({"optim.grad_clip": -1.0}, "optim.grad_clip=-1.0"),
     ({"checkpoint.keep": 0}, "checkpoint.keep=0"),
     ({"rl.kv_cache_gib": -1.0}, "rl.kv_cache_gib=-1.0"),
+    ({"rl.cache_phases": -1}, r"rl.cache_phases=-1: expected an int >= 0 \(0 = the backend's default\)"),
+    ({"rl.prefill_chunk": -2}, r"rl.prefill_chunk=-2: expected an int >= 0"),
     ({"rl.kv_cache_gib": 1e-9}, "rl.kv_cache_gib=1e-09: .* holds no slot"),
 ])
 def test_bad_config_fails_before_anything_runs(tmp_path, overrides, message):
@@ -109,16 +111,20 @@ def test_bad_config_fails_before_anything_runs(tmp_path, overrides, message):
 
 
 @pytest.mark.slow
-def test_kv_cache_budget_runs_rollouts_and_eval_through_the_engine(tmp_path):
+def test_kv_cache_budget_runs_rollouts_and_eval_through_the_engine(tmp_path, monkeypatch):
   """A budget of one slot per device (8 slots for the smoke config's 16
   rows on 8 devices) sends the step's rollout and the sampled evaluation
-  (8 problems x 2) through the continuous-batching engine."""
+  (8 problems x 2) through the continuous-batching engine, with the config's
+  prefill chunk and cache phases."""
   from ba_jax import engine, kv_cache, sampler
   config = tu.smoke_config(**{"sft.steps": 0, "rl.steps": 1, "log.tensorboard": False,
-                              "checkpoint.every": 0})
+                              "checkpoint.every": 0, "rl.prefill_chunk": 4,
+                              "rl.cache_phases": 2})
+  calls, real = [], sampler.sample_groups
+  monkeypatch.setattr(sampler, "sample_groups", lambda *a, **k: calls.append(k) or real(*a, **k))
   setup = run_setup.make_setup(config)
   length = engine.cache_length(sampler.bucket_length(config.task.max_prompt_len),
-                               config.rl.max_new_tokens)
+                               config.rl.max_new_tokens, config.rl.prefill_chunk)
   per_slot = kv_cache.cache_bytes(setup.model_config, 1, length)  # data-parallel: whole slots
   config.rl.kv_cache_gib = 1.5 * per_slot / 2**30
   assert run_setup.make_setup(config).rollout_cfg.max_slots == 8
@@ -129,6 +135,8 @@ def test_kv_cache_budget_runs_rollouts_and_eval_through_the_engine(tmp_path):
   # The step's rollout and the sampled evaluation (the greedy one has 8
   # rows: one per slot, so every row at once).
   assert engine.trace_count() - before >= 2
+  assert len(calls) >= 3 and all(  # the rollout and both evaluations
+      (k["max_slots"], k["prefill_chunk"], k["cache_phases"]) == (8, 4, 2) for k in calls)
 
 
 # An entropy bonus of 1e300 is a valid float64 config value and infinite in
