@@ -1,6 +1,6 @@
 """Continuous-batching engine vs the static sampler vs transformers generate, one process.
 
-    python experiments/bench_engine.py             # the issue's settings (~25 min on 2 cores)
+    python experiments/bench_engine.py             # the issue's settings (~35 min on 2 cores)
     python experiments/bench_engine.py --quick     # a smoke run, tiny model
 
 Writes experiments/results/engine_bench.md (or --output). Model: Qwen3-style,
