@@ -197,20 +197,26 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
   return inv_freq.astype(np.float32)
 
 
+def _rope_cos_sin(config, positions):
+  """cos/sin [..., D] of integer `positions` [...] (the rotation angles repeated over both halves)."""
+  freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(config))
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
 def _rope_lookup(config, positions_BxL, size: int, anchor_B):
   """cos/sin [B,L,D] of `positions_BxL` (< size) gathered from a [size, D] table.
 
-  Rows of the table are computed exactly as the direct path computes them, so the values are
-  the same bits; the table only depends on `size`, so a decode loop hoists it, and each layer's
-  rotation gathers instead of recomputing cos/sin (XLA:CPU fused them into every layer).
-  `anchor_B` (any traced [B] array) keeps the table from being constant-folded on the host,
-  whose cos/sin need not round as the device's do.
+  The table's rows are `_rope_cos_sin` of 0..size-1, as the direct path computes them, so the
+  values are the same bits; the table only depends on `size`, so a decode loop hoists it, and
+  each layer's rotation gathers instead of recomputing cos/sin (XLA:CPU fused them into every
+  layer). `anchor_B` (any traced [B] array) keeps the table from being constant-folded on the
+  host, whose cos/sin need not round as the device's do.
   """
   pos_S = jnp.arange(size, dtype=jnp.int32) + 0 * anchor_B[0].astype(jnp.int32)
-  freqs_SxH = pos_S.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(config))[None, :]
-  emb_SxD = jnp.concatenate([freqs_SxH, freqs_SxH], axis=-1)
+  cos_SxD, sin_SxD = _rope_cos_sin(config, pos_S)
   idx_BxL = jnp.clip(positions_BxL, 0, size - 1)
-  return jnp.cos(emb_SxD)[idx_BxL], jnp.sin(emb_SxD)[idx_BxL]
+  return cos_SxD[idx_BxL], sin_SxD[idx_BxL]
 
 
 def _rotate_half(x):
@@ -417,9 +423,7 @@ class Decoder(nnx.Module):
     if cache is not None:
       cos, sin = _rope_lookup(c, positions_BxL, cache.mask.shape[1] + L, already_B)
     else:
-      freqs = positions_BxL.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(c))[None, None, :]
-      emb = jnp.concatenate([freqs, freqs], axis=-1)
-      cos, sin = jnp.cos(emb), jnp.sin(emb)
+      cos, sin = _rope_cos_sin(c, positions_BxL)
 
     x = self.embed_tokens[...][input_ids_BxL].astype(dt)
     x = sharding_lib.constrain(x, RESIDUAL_AXES)

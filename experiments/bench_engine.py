@@ -176,14 +176,14 @@ def part_b(ours, theirs, s, lines, repeats):
 
   rows = []
   for mode, temperature in (("sample, T=1.0", 1.0), ("greedy", 0.0)):
-    systems = [("sample_groups", functools.partial(static, temperature, 1)),
-               ("engine", functools.partial(eng, temperature, 1)),
-               ("one phase", functools.partial(static, temperature, 1, phases=1)),
-               ("transformers", functools.partial(hf_gen, temperature))]
-    for system, fn in systems[:3]:
-      fn.func(temperature, 0, **fn.keywords).lengths.block_until_ready()  # compile
+    ours_by_key = {"sample_groups": functools.partial(static, temperature),
+                   "engine": functools.partial(eng, temperature),
+                   "one phase": functools.partial(static, temperature, phases=1)}
+    for fn in ours_by_key.values():
+      fn(0).lengths.block_until_ready()  # compile
     hf_gen(temperature, max_new=2)
-    timed = interleaved(systems, repeats)
+    timed = interleaved([(system, functools.partial(fn, 1)) for system, fn in ours_by_key.items()]
+                        + [("transformers", functools.partial(hf_gen, temperature))], repeats)
     result = {}
     for system, (seconds, out, rounds) in timed.items():
       # No EOS in the transformers run: every row runs to T.
@@ -338,6 +338,8 @@ def main():
   parser.add_argument("--uniform_new", type=int, default=0, help="(b)'s new tokens (default 256)")
   parser.add_argument("--output", default=str(pathlib.Path(__file__).parent / "results" / "engine_bench.md"))
   args = parser.parse_args()
+  if args.repeats < 1:
+    parser.error(f"--repeats must be >= 1, got {args.repeats}")
   s = dict(QUICK if args.quick else FULL)
   s["budget"] = args.budget or s["budget"]
   s["uniform_new"] = args.uniform_new or s["uniform_new"]
@@ -374,8 +376,6 @@ def main():
   ]
   pathlib.Path(args.output).parent.mkdir(parents=True, exist_ok=True)
   loads = []
-  if args.repeats < 1:
-    parser.error(f"--repeats must be >= 1, got {args.repeats}")
   for part, run in (("a", lambda: part_a(ours, s, ids, np.ones_like(ids), lines, args.repeats)),
                     ("b", lambda: part_b(ours, theirs, s, lines, args.repeats)),
                     ("p", lambda: profile_step(ours, s, lines))):
