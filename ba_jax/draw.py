@@ -86,27 +86,31 @@ def draw_tokens(logits_NxV: jax.Array, rng: jax.Array | None, temperature=1.0, *
     tok_N = _argmax(logits_NxV)
     picked_N = jnp.take_along_axis(logits_NxV, tok_N[:, None], axis=-1)[:, 0]
     return tok_N, picked_N - jax.nn.logsumexp(logits_NxV, axis=-1)
-  scaled_NxV = logits_NxV / temperature
-  u_N = (jax.random.uniform(rng, scaled_NxV.shape[:1], dtype=jnp.float32)
+  u_N = (jax.random.uniform(rng, logits_NxV.shape[:1], dtype=jnp.float32)
          if uniforms_N is None else uniforms_N)
-  max_N = jnp.max(scaled_NxV, axis=-1)
   if top_k == 0 and top_p >= 1.0:
-    probs_NxV = jnp.exp(scaled_NxV - max_N[:, None])
-    tok_N, total_N = _inverse_cdf(probs_NxV, u_N)
-  else:
-    vocab = scaled_NxV.shape[-1]
-    top_NxK, top_idx_NxK = jax.lax.top_k(scaled_NxV, min(top_k or vocab, vocab))
-    if top_p < 1.0:
-      # Nucleus on the top-k distribution, as transformers does: keep the
-      # smallest prefix whose mass reaches top_p (always the first token).
-      probs_NxK = jax.nn.softmax(top_NxK, axis=-1)
-      mass_before_NxK = jnp.cumsum(probs_NxK, axis=-1) - probs_NxK
-      top_NxK = jnp.where(mass_before_NxK < top_p, top_NxK, -jnp.inf)
-    pick_N, _ = _inverse_cdf(jnp.exp(top_NxK - max_N[:, None]), u_N)
-    # Kept entries come first; a rounding gap in the cdf must not step past them.
-    kept_N = jnp.sum(top_NxK > -jnp.inf, axis=-1, dtype=jnp.int32)
-    pick_N = jnp.minimum(pick_N, kept_N - 1)
-    tok_N = jnp.take_along_axis(top_idx_NxK, pick_N[:, None], axis=-1)[:, 0]
-    total_N = jnp.sum(jnp.exp(scaled_NxV - max_N[:, None]), axis=-1)
+    # The temperature divides inside the exponent: no scaled copy of the [N, V] logits, one
+    # pass over them fewer (~1 ms of a ~68 ms step for 128 rows x 32000 on XLA:CPU,
+    # experiments/results/engine_bench.md). At temperature 1 the same bits as scaling first.
+    max_N = jnp.max(logits_NxV, axis=-1)
+    tok_N, total_N = _inverse_cdf(jnp.exp((logits_NxV - max_N[:, None]) / temperature), u_N)
+    picked_N = jnp.take_along_axis(logits_NxV, tok_N[:, None], axis=-1)[:, 0]
+    return tok_N.astype(jnp.int32), (picked_N - max_N) / temperature - jnp.log(total_N)
+  scaled_NxV = logits_NxV / temperature
+  max_N = jnp.max(scaled_NxV, axis=-1)
+  vocab = scaled_NxV.shape[-1]
+  top_NxK, top_idx_NxK = jax.lax.top_k(scaled_NxV, min(top_k or vocab, vocab))
+  if top_p < 1.0:
+    # Nucleus on the top-k distribution, as transformers does: keep the
+    # smallest prefix whose mass reaches top_p (always the first token).
+    probs_NxK = jax.nn.softmax(top_NxK, axis=-1)
+    mass_before_NxK = jnp.cumsum(probs_NxK, axis=-1) - probs_NxK
+    top_NxK = jnp.where(mass_before_NxK < top_p, top_NxK, -jnp.inf)
+  pick_N, _ = _inverse_cdf(jnp.exp(top_NxK - max_N[:, None]), u_N)
+  # Kept entries come first; a rounding gap in the cdf must not step past them.
+  kept_N = jnp.sum(top_NxK > -jnp.inf, axis=-1, dtype=jnp.int32)
+  pick_N = jnp.minimum(pick_N, kept_N - 1)
+  tok_N = jnp.take_along_axis(top_idx_NxK, pick_N[:, None], axis=-1)[:, 0]
+  total_N = jnp.sum(jnp.exp(scaled_NxV - max_N[:, None]), axis=-1)
   picked_N = jnp.take_along_axis(scaled_NxV, tok_N[:, None], axis=-1)[:, 0]
   return tok_N.astype(jnp.int32), picked_N - max_N - jnp.log(total_N)
