@@ -81,10 +81,15 @@ def _finite(x) -> bool:
       math.isfinite(x))
 
 
+def _count(x) -> bool:
+  """An int >= 0 (a count, a seed, or a size where 0 means off or auto)."""
+  return isinstance(x, int) and x >= 0
+
+
 # (dotted key, test, what is expected): every numeric range and relation
 # checked before anything runs. None passes for optional keys.
 _RANGES = (
-    ("seed", lambda x: isinstance(x, int) and x >= 0, "an int >= 0"),
+    ("seed", _count, "an int >= 0"),
     ("rl.steps", lambda x: x >= 0, ">= 0"),
     ("rl.prompts_per_step", lambda x: x >= 1, ">= 1"),
     ("rl.group_size", lambda x: x >= 2,
@@ -93,14 +98,11 @@ _RANGES = (
     ("rl.temperature", lambda x: _finite(x) and x > 0, "finite and > 0"),
     ("rl.top_p", lambda x: _finite(x) and 0 < x <= 1, "in (0, 1]"),
     ("rl.top_k", lambda x: x >= 0, ">= 0 (0 = off)"),
-    ("rl.max_slots", lambda x: isinstance(x, int) and x >= 0,
-     "an int >= 0 (0 = every row at once)"),
+    ("rl.max_slots", _count, "an int >= 0 (0 = every row at once)"),
     ("rl.kv_cache_gib", lambda x: _finite(x) and x >= 0,
      "finite and >= 0 (GiB per device; 0 = unused)"),
-    ("rl.prefill_chunk", lambda x: isinstance(x, int) and x >= 0,
-     "an int >= 0 (0 = the whole prompt at once)"),
-    ("rl.cache_phases", lambda x: isinstance(x, int) and x >= 0,
-     "an int >= 0 (0 = the backend's default)"),
+    ("rl.prefill_chunk", _count, "an int >= 0 (0 = the whole prompt at once)"),
+    ("rl.cache_phases", _count, "an int >= 0 (0 = the backend's default)"),
     ("rl.ppo_epochs", lambda x: x >= 1, ">= 1"),
     ("rl.num_minibatches", lambda x: x >= 1, ">= 1"),
     ("rl.num_microbatches", lambda x: x >= 1, ">= 1"),
