@@ -17,7 +17,12 @@ MLP 1536, tied embeddings: ~41M parameters), random weights.
 (b) Uniform: 16 x 8 rows, 32-token prompts, 256 new tokens, T=1 and greedy:
     `sample_groups` (all rows at once), the engine with 128 slots, and
     transformers `generate` on the same weights.
-Then one decode step (128 rows) taken apart: draw, cache write, attention, LM head.
+Then one decode step (128 rows) taken apart: draw, cache write, attention, LM head;
+and (f) the step's floors on this machine: its weight matmuls alone and one read of
+its K/V bytes alone, next to (b)'s measured steps.
+
+Notes written by hand below the HAND_WRITTEN marker line of the output file are kept
+when the script rewrites it.
 """
 import argparse
 import functools
@@ -38,6 +43,7 @@ from ba_jax import attention as attention_lib
 from ba_jax import decoding, engine, hf, kv_cache, sampler
 
 EOS_ID, PAD_ID = 1, 0
+HAND_WRITTEN = "<!-- hand-written below: kept when the script re-runs -->"
 FULL = dict(vocab=32000, hidden=512, mlp=1536, layers=8, heads=8, kv_heads=4, head_dim=64,
             prompts=16, group=8, prompt_len=32, budget=512, slots=32, uniform_new=256)
 QUICK = dict(vocab=2048, hidden=128, mlp=256, layers=2, heads=4, kv_heads=2, head_dim=32,
@@ -146,7 +152,7 @@ def part_a(model, s, ids, mask, lines, repeats):
   lines.append("")
 
 
-def part_b(ours, theirs, s, lines, repeats):
+def part_b(ours, theirs, s, lines, repeats, steps):
   B, G, P, T = s["prompts"], s["group"], s["prompt_len"], s["uniform_new"]
   rng = np.random.default_rng(1)
   ids = rng.integers(3, s["vocab"], size=(B, P)).astype(np.int32)
@@ -191,6 +197,7 @@ def part_b(ours, theirs, s, lines, repeats):
       result[system] = (tokens / seconds, rounds)
       print(mode, system, result[system], flush=True)
     rows.append((mode, result))
+    steps.update({(mode, system): seconds / T for system, (seconds, _, _) in timed.items()})
   lines += [
       "## (b) Uniform workload vs transformers `generate`",
       "",
@@ -328,10 +335,87 @@ def profile_step(model, s, lines):
                " where the cache is updated in place, and divided by the steps.)\n")
 
 
+def _best_ms(fn, *args, repeats=5, per=1):
+  """Best of `repeats` timed calls of jitted `fn` (after one to compile), in ms per `per`."""
+  f = jax.jit(fn)
+  jax.block_until_ready(f(*args))
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    best = min(best, time.perf_counter() - start)
+  return 1e3 * best / per
+
+
+def step_floor(model, s, lines, steps):
+  """What a float32 decode step of part (b) cannot go under on this machine, measured here.
+
+  Two floors, each timed alone in this process on the model's own weights and cache shapes:
+  (1) the step's weight matmuls and LM head (128 rows; nothing else), with the two-core matmul
+  rate they reach; (2) one read of the K/V bytes that a step's attention reads on average over
+  part (b)'s steps (8 layers, the cache-phase lengths the static sampler runs through), as a
+  plain sum, with the rate this machine's memory gives it. Then part (b)'s measured steps.
+  """
+  c = model.config
+  N, P, T = s["prompts"] * s["group"], s["prompt_len"], s["uniform_new"]
+  layers = model.layer_slices()
+  E, H, K, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+  weights = [dict(q=l.self_attn.q_proj[...].reshape(E, H * D), k=l.self_attn.k_proj[...].reshape(E, K * D),
+                  v=l.self_attn.v_proj[...].reshape(E, K * D), o=l.self_attn.o_proj[...].reshape(H * D, E),
+                  g=l.mlp.gate_proj[...], u=l.mlp.up_proj[...], d=l.mlp.down_proj[...]) for l in layers]
+  head = model.head_weights()
+  loops = 10
+
+  def matmuls(weights, head, x):
+    def one(_, x):
+      for w in weights:
+        q, k, v = x @ w["q"], x @ w["k"], x @ w["v"]
+        x = x + (q + jnp.concatenate([k, v], -1)) @ w["o"]
+        x = x + (jax.nn.silu(x @ w["g"]) * (x @ w["u"])) @ w["d"]
+      return x + 1e-6 * (x @ head)[:, :E]  # the LM head's output is used
+    return jax.lax.fori_loop(0, loops, one, x)
+
+  x = jax.random.normal(jax.random.key(0), (N, E), jnp.float32)
+  matmul_ms = _best_ms(matmuls, weights, head, x, per=loops)
+  flops = 2 * N * (sum(w.size for w in weights[0].values()) * c.num_layers + head.size)
+  # The cache length each decode step of part (b) reads (static sampler, default phases).
+  lengths = decoding.cache_phase_lengths(P + T - 1, 0, P + 1)
+  read_S = [next(n for n in lengths if i < n) for i in range(P, P + T - 1)]
+  mean_S = float(np.mean(read_S))
+  kv_bytes = 2 * c.num_layers * N * K * D * mean_S * 4
+  kv = jnp.ones((int(kv_bytes // (4 * D)), D), jnp.float32)
+  read_ms = _best_ms(lambda a: jnp.sum(a, axis=0), kv)
+  floor_ms = matmul_ms + read_ms
+  lines += [
+      "## What bounds a decode step (floors measured in this process)",
+      "",
+      f"Part (b)'s step ({N} rows) has {flops / 1e9:.1f} GFLOP of weight matmuls and LM head, and its"
+      f" attention reads on average {kv_bytes / 2**20:.0f} MiB of K/V (8 layers, {mean_S:.0f} cache"
+      f" positions: the mean over its steps of the cache-phase length). Each is timed alone here, as"
+      " jitted JAX on the model's own weights (`step_floor`). Each keeps both cores busy alone, so"
+      " their sum is about what a float32 step here needs if everything else in it cost nothing.",
+      "",
+      "| part | ms per step | rate |",
+      "|---|---|---|",
+      f"| weight matmuls + LM head alone | {matmul_ms:.1f} | {flops / matmul_ms / 1e6:.0f} GFLOP/s |",
+      f"| one read of the K/V bytes alone (a sum) | {read_ms:.1f} | {kv_bytes / read_ms / 1e6:.1f} GB/s |",
+      f"| floor (sum) | {floor_ms:.1f} | |",
+  ]
+  for (mode, system), seconds in steps.items():
+    ms = 1e3 * seconds
+    lines.append(f"| part (b), {mode}, {system}: measured step | {ms:.1f} | floor / step {floor_ms / ms:.2f} |")
+  hf = steps.get(("sample, T=1.0", "transformers"))
+  if hf:
+    lines += ["", f"3x `transformers`' sampling rate here needs a step of {1e3 * hf / 3:.1f} ms;"
+              f" the floor above is {floor_ms:.1f} ms."]
+  lines.append("")
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--parts", default="abp", help="a: skewed, b: uniform, p: step profile")
+  parser.add_argument("--parts", default="abpf",
+                      help="a: skewed, b: uniform, p: step profile, f: step floors")
   parser.add_argument("--repeats", type=int, default=2,
                       help="timed runs of each system in (a) and (b), interleaved; the fastest is reported")
   parser.add_argument("--budget", type=int, default=0, help="(a)'s budget (default 512)")
@@ -346,7 +430,7 @@ def main():
   flags = "".join(f" --{k}={v}" for k, v in (("parts", args.parts), ("budget", args.budget),
                                                ("uniform_new", args.uniform_new),
                                                ("repeats", args.repeats if args.repeats != 2 else 0))
-                  if v and v != "abp")
+                  if v and v != "abpf")
   torch.manual_seed(0)
   hf_config = Qwen3Config(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["mlp"],
                           num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
@@ -375,17 +459,22 @@ def main():
       "",
   ]
   pathlib.Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-  loads = []
+  loads, steps = [], {}
+  output = pathlib.Path(args.output)
+  # Hand-written notes below the marker survive a re-run (the script writes everything above it).
+  old = output.read_text() if output.exists() else ""
+  tail = old[old.index(HAND_WRITTEN):] if HAND_WRITTEN in old else ""
   for part, run in (("a", lambda: part_a(ours, s, ids, np.ones_like(ids), lines, args.repeats)),
-                    ("b", lambda: part_b(ours, theirs, s, lines, args.repeats)),
-                    ("p", lambda: profile_step(ours, s, lines))):
+                    ("b", lambda: part_b(ours, theirs, s, lines, args.repeats, steps)),
+                    ("p", lambda: profile_step(ours, s, lines)),
+                    ("f", lambda: step_floor(ours, s, lines, steps))):
     if part in args.parts:
       run()
       loads.append(os.getloadavg()[0])
       note = (f"1-minute load average after each part: {', '.join(f'{x:.1f}' for x in loads)}"
               " (this script alone keeps it near 1.5-2 on 2 cores; more means other work shared them).")
       text = "\n".join(lines).replace("LOAD_NOTE", note)
-      pathlib.Path(args.output).write_text(text + "\n")  # after each part
+      output.write_text(text + "\n" + tail)  # after each part
   print(text)
 
 
