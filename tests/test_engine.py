@@ -158,8 +158,8 @@ def test_growing_cache_gives_the_same_samples(ours, prompts, stop_ids, max_slots
 
 
 def test_cache_phase_lengths_and_the_cpu_default(ours):
-  assert decoding.cache_phase_lengths(287, 8, 33) == (36, 72, 108, 144, 180, 216, 252, 287)
-  assert decoding.cache_phase_lengths(50, 4, 40) == (40, 50)  # none shorter than the start
+  assert decoding.cache_phase_lengths(287, 8, 33) == (48, 80, 112, 144, 192, 224, 256, 287)
+  assert decoding.cache_phase_lengths(50, 4, 40) == (48, 50)  # none shorter than the start
   assert decoding.cache_phase_lengths(50, 1, 40) == (50,)
   assert decoding.auto_cache_phases(287, "cpu") == decoding.AUTO_PHASES > 1
   assert decoding.auto_cache_phases(287, "tpu") == decoding.auto_cache_phases(100, "cpu") == 1
