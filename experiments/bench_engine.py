@@ -335,18 +335,6 @@ def profile_step(model, s, lines):
                " where the cache is updated in place, and divided by the steps.)\n")
 
 
-def _best_ms(fn, *args, repeats=5, per=1):
-  """Best of `repeats` timed calls of jitted `fn` (after one to compile), in ms per `per`."""
-  f = jax.jit(fn)
-  jax.block_until_ready(f(*args))
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    best = min(best, time.perf_counter() - start)
-  return 1e3 * best / per
-
-
 def step_floor(model, s, lines, steps):
   """What a float32 decode step of part (b) cannot go under on this machine, measured here.
 
@@ -376,7 +364,7 @@ def step_floor(model, s, lines, steps):
     return jax.lax.fori_loop(0, loops, one, x)
 
   x = jax.random.normal(jax.random.key(0), (N, E), jnp.float32)
-  matmul_ms = _best_ms(matmuls, weights, head, x, per=loops)
+  matmul_ms = _ms(matmuls, weights, head, x) / loops
   flops = 2 * N * (sum(w.size for w in weights[0].values()) * c.num_layers + head.size)
   # The cache length each decode step of part (b) reads (static sampler, default phases).
   lengths = decoding.cache_phase_lengths(P + T - 1, 0, P + 1)
@@ -384,13 +372,13 @@ def step_floor(model, s, lines, steps):
   mean_S = float(np.mean(read_S))
   kv_bytes = 2 * c.num_layers * N * K * D * mean_S * 4
   kv = jnp.ones((int(kv_bytes // (4 * D)), D), jnp.float32)
-  read_ms = _best_ms(lambda a: jnp.sum(a, axis=0), kv)
+  read_ms = _ms(lambda a: jnp.sum(a, axis=0), kv)
   floor_ms = matmul_ms + read_ms
   lines += [
       "## What bounds a decode step (floors measured in this process)",
       "",
       f"Part (b)'s step ({N} rows) has {flops / 1e9:.1f} GFLOP of weight matmuls and LM head, and its"
-      f" attention reads on average {kv_bytes / 2**20:.0f} MiB of K/V (8 layers, {mean_S:.0f} cache"
+      f" attention reads on average {kv_bytes / 2**20:.0f} MiB of K/V ({c.num_layers} layers, {mean_S:.0f} cache"
       f" positions: the mean over its steps of the cache-phase length). Each is timed alone here, as"
       " jitted JAX on the model's own weights (`step_floor`). Each keeps both cores busy alone, so"
       " their sum is about what a float32 step here needs if everything else in it cost nothing.",
