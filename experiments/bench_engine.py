@@ -341,7 +341,7 @@ def step_floor(model, s, lines, steps):
   Two floors, each timed alone in this process on the model's own weights and cache shapes:
   (1) the step's weight matmuls and LM head (128 rows; nothing else), with the two-core matmul
   rate they reach; (2) one read of the K/V bytes that a step's attention reads on average over
-  part (b)'s steps (8 layers, the cache-phase lengths the static sampler runs through), as a
+  part (b)'s steps (every layer, the cache-phase lengths the static sampler runs through), as a
   plain sum, with the rate this machine's memory gives it. Then part (b)'s measured steps.
   """
   c = model.config
@@ -446,9 +446,9 @@ def main():
       f" heads, MLP {s['mlp']}, tied embeddings), random weights, the same in both libraries.",
       "",
   ]
-  pathlib.Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-  loads, steps = [], {}
   output = pathlib.Path(args.output)
+  output.parent.mkdir(parents=True, exist_ok=True)
+  loads, steps = [], {}
   # Hand-written notes below the marker survive a re-run (the script writes everything above it).
   old = output.read_text() if output.exists() else ""
   tail = old[old.index(HAND_WRITTEN):] if HAND_WRITTEN in old else ""
