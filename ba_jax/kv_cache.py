@@ -186,7 +186,9 @@ def extend(cache: KVCache, mask_BxL):
   else:
     new_mask_BxS = _write_rows(cache.mask, mask_BxL, index, axis=1)
     index_B = index
-  already_B = jnp.sum(cache.mask, axis=1)
+  # Only positions before the write index count: a refilled slot's later positions may still
+  # hold its last row's mask where the refill ran on a cache prefix (engine._phase_loop).
+  already_B = jnp.sum(jnp.where(jnp.arange(S)[None, :] < index_B[:, None], cache.mask, 0), axis=1)
   slot_BxL = index_B[:, None] + jnp.arange(L)[None, :]
   allowed_BxLxS = (jnp.arange(S)[None, None, :] <= slot_BxL[:, :, None]) & (new_mask_BxS[:, None, :] == 1)
   return new_mask_BxS, allowed_BxLxS, already_B
@@ -226,7 +228,10 @@ def fill_slots(cache: KVCache, slots_R, prefill: KVCache) -> KVCache:
 
   An entry of `slots_R` equal to the slot count (out of range) is dropped, so a
   fixed-width refill can carry idle lanes. The slot's later positions keep stale
-  keys/values under a zero mask, which attention never reads.
+  keys/values under a zero mask. Where `cache` is a prefix of a longer cache (the
+  engine's phases), the positions past the prefix keep the last row's mask too:
+  `extend` reads only positions before a row's index (causal attention, RoPE
+  offsets), so neither is ever seen.
   """
   M, S = cache.mask.shape
   P = prefill.mask.shape[1]

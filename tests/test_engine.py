@@ -159,6 +159,23 @@ def test_growing_cache_gives_the_same_samples(ours, prompts, stop_ids, max_slots
       _sample(ours, ids, mask, cache_phases=bad)
 
 
+def test_refills_on_a_cache_prefix_keep_their_positions(ours, prompts, stop_ids):
+  """A slot refilled while the engine decodes on a short cache prefix keeps its last row's mask
+  past that prefix; once the new row reaches those positions, its RoPE offsets must still count
+  only its own tokens (it drew other tokens, with log-probs 3 nats off `score_responses`, when
+  they counted the stale mask too)."""
+  ids, mask = prompts
+  kw = dict(temperature=1.0, eos_id=(EOS_ID,) + stop_ids, rng=jax.random.key(5), max_new_tokens=56,
+            max_slots=3)
+  grown = _sample(ours, ids, mask, **kw, cache_phases=4)
+  full = _sample(ours, ids, mask, **kw, cache_phases=1)
+  assert full.lengths.max() == 56 and full.lengths.min() < 8, "rows must stop early and refill"
+  _assert_same(grown, full)
+  logp, _ = scoring.score_responses(ours, np.repeat(ids, G, 0), np.repeat(mask, G, 0), grown.tokens,
+                                    grown.mask)
+  np.testing.assert_allclose(grown.logprobs, np.asarray(logp), atol=LOGP_TOL, rtol=0)
+
+
 def test_cache_phase_lengths_and_the_cpu_default(ours):
   assert decoding.cache_phase_lengths(287, 8, 33) == (48, 80, 112, 144, 192, 224, 256, 287)
   assert decoding.cache_phase_lengths(50, 4, 40) == (48, 50)  # none shorter than the start
