@@ -52,6 +52,13 @@ def stop_ids(ours, prompts):
   return tuple(int(v) for v in values[np.argsort(-counts)[:3]])
 
 
+def _assert_scored(model, ids, mask, got, temperature=1.0):
+  """The sampled log-probs are what `score_responses` gives on the returned tokens (G per prompt)."""
+  logp, _ = scoring.score_responses(model, np.repeat(ids, G, 0), np.repeat(mask, G, 0), got.tokens,
+                                    got.mask, temperature=temperature)
+  np.testing.assert_allclose(got.logprobs, np.asarray(logp), atol=LOGP_TOL, rtol=0)
+
+
 def _assert_same(got, want, tol=LOGP_TOL):
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_array_equal(got.lengths, want.lengths)
@@ -105,9 +112,7 @@ def test_sampled_rows_equal_static_and_logprobs_equal_scoring(ours, prompts, sto
   got = _sample(ours, ids, mask, **kw, max_slots=3)
   assert 0 < got.truncated.sum() < len(got.truncated)
   _assert_same(got, static)
-  logp, _ = scoring.score_responses(ours, np.repeat(ids, G, 0), np.repeat(mask, G, 0), got.tokens,
-                                    got.mask, temperature=temperature)
-  np.testing.assert_allclose(got.logprobs, np.asarray(logp), atol=LOGP_TOL, rtol=0)
+  _assert_scored(ours, ids, mask, got, temperature)
   again = _sample(ours, ids, mask, **kw, max_slots=3)
   np.testing.assert_array_equal(again.tokens, got.tokens)
   np.testing.assert_array_equal(again.logprobs, got.logprobs)
@@ -171,9 +176,7 @@ def test_refills_on_a_cache_prefix_keep_their_positions(ours, prompts, stop_ids)
   full = _sample(ours, ids, mask, **kw, cache_phases=1)
   assert full.lengths.max() == 56 and full.lengths.min() < 8, "rows must stop early and refill"
   _assert_same(grown, full)
-  logp, _ = scoring.score_responses(ours, np.repeat(ids, G, 0), np.repeat(mask, G, 0), grown.tokens,
-                                    grown.mask)
-  np.testing.assert_allclose(grown.logprobs, np.asarray(logp), atol=LOGP_TOL, rtol=0)
+  _assert_scored(ours, ids, mask, grown)
 
 
 def test_cache_phase_lengths_and_the_cpu_default(ours):
