@@ -188,9 +188,10 @@ def extend(cache: KVCache, mask_BxL):
     index_B = index
   # Only positions before the write index count: a refilled slot's later positions may still
   # hold its last row's mask where the refill ran on a cache prefix (engine._phase_loop).
-  already_B = jnp.sum(jnp.where(jnp.arange(S)[None, :] < index_B[:, None], cache.mask, 0), axis=1)
+  position_S = jnp.arange(S)
+  already_B = jnp.sum(jnp.where(position_S[None, :] < index_B[:, None], cache.mask, 0), axis=1)
   slot_BxL = index_B[:, None] + jnp.arange(L)[None, :]
-  allowed_BxLxS = (jnp.arange(S)[None, None, :] <= slot_BxL[:, :, None]) & (new_mask_BxS[:, None, :] == 1)
+  allowed_BxLxS = (position_S[None, None, :] <= slot_BxL[:, :, None]) & (new_mask_BxS[:, None, :] == 1)
   return new_mask_BxS, allowed_BxLxS, already_B
 
 
