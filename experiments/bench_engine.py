@@ -415,9 +415,9 @@ def step_floor(model, s, lines, steps):
   for (mode, system), seconds in steps.items():
     ms = 1e3 * seconds
     lines.append(f"| part (b), {mode}, {system}: measured step | {ms:.1f} | floor / step {floor_ms / ms:.2f} |")
-  hf = steps.get(("sample, T=1.0", "transformers"))
-  if hf:
-    lines += ["", f"3x `transformers`' sampling rate here needs a step of {1e3 * hf / 3:.1f} ms;"
+  theirs_step = steps.get(("sample, T=1.0", "transformers"))  # seconds
+  if theirs_step:
+    lines += ["", f"3x `transformers`' sampling rate here needs a step of {1e3 * theirs_step / 3:.1f} ms;"
               f" the floor above is {floor_ms:.1f} ms."]
   lines.append("")
 
