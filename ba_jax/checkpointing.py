@@ -14,6 +14,7 @@ ba_jax but its path layer.
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import sys
 import threading
@@ -47,6 +48,16 @@ def _quiet_late_tensorstore_callbacks() -> None:
 
   hook._ba_jax_quiet = True
   sys.unraisablehook = hook
+  # The same reads can also end as asyncio tasks whose error nobody awaited: asyncio logs each
+  # one ("Task exception was never retrieved", a traceback) when the task is collected, at a
+  # moment that depends on the garbage collector, sometimes after the one-line error. The
+  # failed restore has already been reported; drop exactly those records.
+  logging.getLogger("asyncio").addFilter(_drop_unretrieved_restore_reads)
+
+
+def _drop_unretrieved_restore_reads(record: logging.LogRecord) -> bool:
+  message = record.getMessage()
+  return not ("Task exception was never retrieved" in message and "async_deserialize" in message)
 
 
 def first_line(error: BaseException) -> str:
