@@ -418,7 +418,10 @@ def step_floor(model, s, lines, steps):
   theirs_step = steps.get(("sample, T=1.0", "transformers"))  # seconds
   if theirs_step:
     lines += ["", f"3x `transformers`' sampling rate here needs a step of {1e3 * theirs_step / 3:.1f} ms;"
-              f" the floor above is {floor_ms:.1f} ms."]
+              f" the floor above is {floor_ms:.1f} ms, and the matmuls alone {matmul_ms:.1f} ms. So on"
+              f" this machine no float32 step could go past {1e3 * theirs_step / floor_ms:.2f}x"
+              f" `transformers` ({1e3 * theirs_step / matmul_ms:.2f}x if attention's K/V read cost"
+              " nothing either)."]
   lines.append("")
 
 
