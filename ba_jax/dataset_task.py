@@ -41,22 +41,31 @@ class DatasetTask:
     self.pad_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                    else tokenizer.eos_token_id)
     self.eos_id = tokenizer.eos_token_id
-    examples = _load(task_cfg)
+    self.heldout = self._load_heldout(eval_cfg)
+    examples = self._load_examples()
     fits = [len(ids) <= max_prompt_len for ids in tokenizer(
         [self._format(e) for e in examples], add_special_tokens=False
     )["input_ids"]]
     self.examples = [e for e, ok in zip(examples, fits) if ok]
     self.dropped_long_prompts = len(examples) - len(self.examples)
     if not self.examples:
-      raise ValueError(f"no prompt of {task_cfg.path} fits task.max_prompt_len="
-                       f"{max_prompt_len} tokens")
-    self.heldout = []
+      raise ValueError(f"no training prompt of task.name={self.name!r} fits "
+                       f"task.max_prompt_len={max_prompt_len} tokens")
+    self._orders: dict[int, np.ndarray] = {}
+
+  def _load_examples(self) -> list:
+    """The training problems (before prompts too long are dropped)."""
+    return _load(self.cfg)
+
+  def _load_heldout(self, eval_cfg) -> list:
+    """The held-out problems: the config's evaluation benchmarks."""
+    heldout = []
     names = [b for b in str(eval_cfg.get("benchmarks", "")).split(",") if b]
     for name in names:
       bench = data_lib.load_eval_set(name, eval_cfg.data_dir)
       n = eval_cfg.num_problems or len(bench)
-      self.heldout.extend(bench[:n])
-    self._orders: dict[int, np.ndarray] = {}
+      heldout.extend(bench[:n])
+    return heldout
 
   @classmethod
   def from_config(cls, config, tokenizer) -> "DatasetTask":

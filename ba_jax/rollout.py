@@ -202,6 +202,7 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
   local_round = process_slice(per_round)
   kept, spare, rounds, sampled_groups = [], [], 0, 0
   t_sample = t_reward = 0.0
+  format_fails = 0
   while True:
     problems = task.problems(position + rounds * per_round,
                              per_round)[local_round]
@@ -217,6 +218,8 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
     t1 = time.perf_counter()
     texts = task.decode(out.tokens, out.mask)
     rewards, correct = task.grade(texts, [p for p in problems for _ in range(G)])
+    if hasattr(task, "answer_found"):
+      format_fails += len(texts) - int(task.answer_found(texts).sum())
     final = _final_rewards(rewards, out, rl)
     t_reward += time.perf_counter() - t1
     t_sample += t1 - t0
@@ -257,18 +260,21 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
                dapo_dropped_groups=float(sampled_groups - n_local)
                if dynamic else 0.0,
                sampled_tokens=float(lengths.sum()))
+  if hasattr(task, "answer_found"):  # over every response sampled
+    stats["format_fail_frac"] = format_fails / (sampled_groups * G)
   return Rollout(prompt_ids, prompt_mask, tokens, loss_mask, sample_mask,
                  logp, rewards, correct, truncated, adv.astype(np.float32),
                  rounds * per_round, stats)
 
 
-def heldout_accuracy(model, task, *, samples: int, temperature: float,
-                     max_new_tokens: int, key, mesh=None, rules=None,
-                     max_slots: int = 0, prefill_chunk: int = 0,
-                     cache_phases: int = 0) -> float:
-  """Mean exact-answer accuracy on the held-out problems (greedy when
-  ``temperature == 0``; then one sample each). ``max_slots``, ``prefill_chunk``
-  and ``cache_phases``: as ``sampler.sample_groups`` (the config's ``rl``)."""
+def heldout_correct(model, task, *, samples: int, temperature: float,
+                    max_new_tokens: int, key, mesh=None, rules=None,
+                    max_slots: int = 0, prefill_chunk: int = 0,
+                    cache_phases: int = 0) -> np.ndarray:
+  """Which held-out responses are correct: bool [problems, samples] over
+  every process's problems (greedy when ``temperature == 0``; then one
+  sample each). ``max_slots``, ``prefill_chunk`` and ``cache_phases``: as
+  ``sampler.sample_groups`` (the config's ``rl``)."""
   problems = task.heldout[process_slice(len(task.heldout))]
   ids, mask = task.encode_prompts(problems)
   samples = 1 if temperature == 0 else samples
@@ -279,4 +285,9 @@ def heldout_accuracy(model, task, *, samples: int, temperature: float,
       prefill_chunk=prefill_chunk, cache_phases=cache_phases)
   texts = task.decode(np.asarray(out.tokens), np.asarray(out.mask))
   _, correct = task.grade(texts, [p for p in problems for _ in range(samples)])
-  return float(allgather(correct.astype(np.float32)).mean())
+  return allgather(correct.astype(bool)).reshape(-1, samples)
+
+
+def heldout_accuracy(model, task, **kwargs) -> float:
+  """Mean accuracy of ``heldout_correct(model, task, **kwargs)``."""
+  return float(heldout_correct(model, task, **kwargs).mean())

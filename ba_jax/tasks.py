@@ -20,13 +20,16 @@ from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
 
-from ba_jax import chains, dataset_task, synthetic
+from ba_jax import chains, dataset_task, reasoning_gym_task, synthetic
 
 
 class Task(Protocol):
   """What the trainer asks of a task (``synthetic.SyntheticTask``,
-  ``chains.ChainsTask`` and ``dataset_task.DatasetTask`` are the bundled
-  ones)."""
+  ``chains.ChainsTask``, ``dataset_task.DatasetTask`` and
+  ``reasoning_gym_task.ReasoningGymTask`` are the bundled ones). A task may
+  also have ``answer_found(texts) -> bool [n]``, whether its answer rule
+  found an answer in each response; the trainer then logs the share of
+  format failures (``format_fail_frac``)."""
 
   name: str  # the task.name configs use (the registry key)
   has_warmup: ClassVar[bool]  # whether warmup_examples has data
@@ -113,3 +116,4 @@ def make_task(config, tokenizer) -> Task:
 register(synthetic.SyntheticTask)
 register(chains.ChainsTask)
 register(dataset_task.DatasetTask, *dataset_task.LOADERS)
+register(reasoning_gym_task.ReasoningGymTask, reasoning_gym_task.NAME)

@@ -31,6 +31,7 @@ from ba_jax.run_setup import (ARCHITECTURE_FIELDS, Setup, abstract_state,
 from ba_jax.scoring import score_responses
 
 EVAL_KEY = 2**31  # fold_in index of the evaluation key (RL steps use 0..)
+HELDOUT_DIR = "heldout"  # per-problem held-out results, one file per step
 
 
 class StopReason(enum.StrEnum):
@@ -48,8 +49,10 @@ def score_logp(params, batch, *, graphdef, temperature: float):
   return logp
 
 
-def evaluate(setup: Setup, params, key) -> dict[str, float]:
-  """Held-out accuracy: sampled (eval.temperature) and greedy."""
+def evaluate_correct(setup: Setup, params, key) -> dict[str, np.ndarray]:
+  """Held-out correctness per problem: ``sampled`` bool [P, samples] (at
+  eval.temperature) and ``greedy`` bool [P, 1]; {} without held-out
+  problems."""
   if not setup.task.heldout:
     return {}
   c, model = setup.config, nnx.merge(setup.graphdef, params)
@@ -58,12 +61,28 @@ def evaluate(setup: Setup, params, key) -> dict[str, float]:
                 prefill_chunk=setup.rollout_cfg.prefill_chunk,
                 cache_phases=setup.rollout_cfg.cache_phases)
   return {
-      "heldout_acc_sampled": rollout.heldout_accuracy(
+      "sampled": rollout.heldout_correct(
           model, setup.task, samples=c.eval.samples_per_problem,
           temperature=c.eval.temperature, key=key, **common),
-      "heldout_acc_greedy": rollout.heldout_accuracy(
+      "greedy": rollout.heldout_correct(
           model, setup.task, samples=1, temperature=0.0, key=key, **common),
   }
+
+
+def evaluate(setup: Setup, params, key, *, workdir: str | None = None,
+             step: int = 0) -> dict[str, float]:
+  """Held-out accuracy: sampled (eval.temperature) and greedy. With
+  ``workdir``, process 0 also writes each problem's results to
+  ``heldout/step_<step>.json`` (for paired intervals between steps)."""
+  tables = evaluate_correct(setup, params, key)
+  if not tables:
+    return {}
+  if workdir is not None and jax.process_index() == 0:
+    paths.write_json(
+        paths.path(workdir) / HELDOUT_DIR / f"step_{step}.json",
+        {name: table.astype(int).tolist() for name, table in tables.items()})
+  return {f"heldout_acc_{name}": float(table.mean())
+          for name, table in tables.items()}
 
 
 @dataclasses.dataclass
@@ -165,7 +184,8 @@ def _start(r: _Run):
       if r.stop_reason() is not None:
         r.log("SIGTERM during the warm-up: exiting; it reruns on restart")
         return None, None
-  before = evaluate(setup, params, jax.random.fold_in(r.base_key, EVAL_KEY))
+  before = evaluate(setup, params, jax.random.fold_in(r.base_key, EVAL_KEY),
+                    workdir=r.workdir, step=0)
   r.log(f"held-out accuracy on {len(setup.task.heldout)} problems "
         f"(sampled: T={c.eval.temperature}, {c.eval.samples_per_problem} "
         f"per problem; greedy: 1 each)")
@@ -243,7 +263,8 @@ def _loop(r: _Run, state, meta) -> dict:
     # it drops exactly the rows that it replays (resume.drop_replayed_rows).
     if c.eval.every and step % c.eval.every == 0 and step < rl.steps:
       acc = evaluate(setup, state.params,
-                     jax.random.fold_in(r.base_key, EVAL_KEY + 1))
+                     jax.random.fold_in(r.base_key, EVAL_KEY + 1),
+                     workdir=r.workdir, step=step)
       logger.write_eval(step, acc)
       logger.log_text(f"step {step}: held-out accuracy " + _fmt(acc))
     every = c.checkpoint.every
@@ -288,7 +309,8 @@ def _host_metrics(ro: rollout.Rollout, group_size: int, *, t0: float,
 
 def _final_eval(r: _Run, state, before: dict, logger, step: int) -> dict:
   after = evaluate(r.setup, state.params,
-                   jax.random.fold_in(r.base_key, EVAL_KEY))
+                   jax.random.fold_in(r.base_key, EVAL_KEY),
+                   workdir=r.workdir, step=step)
   logger.write_eval(step, after)
   logger.log_text("held-out accuracy after RL:  " + _fmt(after))
   if after and before:

@@ -23,7 +23,7 @@ LAYERS = (
     ("the update", ("train_step",)),
     ("data, rewards, tasks", ("sandbox", "reward_pool", "rewards", "data",
                               "code_data", "synthetic", "chains",
-                              "dataset_task", "tasks")),
+                              "dataset_task", "reasoning_gym_task", "tasks")),
     ("a run's pieces", ("checkpointing", "metrics", "resume", "rollout",
                         "sft")),
     ("the run builder", ("run_setup",)),
