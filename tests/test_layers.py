@@ -27,7 +27,8 @@ LAYERS = (
     ("a run's pieces", ("checkpointing", "metrics", "resume", "rollout",
                         "sft")),
     ("the run builder", ("run_setup",)),
-    ("what a command does", ("trainer", "export", "eval_lib", "dry_run")),
+    ("what a command does", ("trainer", "export", "convert_gguf", "eval_lib",
+                             "dry_run")),
     ("command lines", ("train", "evaluate")),
 )
 LAYER_OF = {m: i for i, (_, modules) in enumerate(LAYERS) for m in modules}
