@@ -47,7 +47,7 @@ def get_config(arg=None):
   c.task = reasoning_gym_task.section(
       datasets="basic_arithmetic",
       dataset_config={"basic_arithmetic": dict(
-          min_terms=2, max_terms=2, min_digits=1, max_digits=2,
+          min_terms=2, max_terms=2, min_digits=1, max_digits=1,
           operators=("+", "-"), allow_parentheses=False,
           allow_negation=False)},
       train_seed=1, heldout_seed=2, train_size=4096,
@@ -58,8 +58,8 @@ def get_config(arg=None):
   )
   c.rl.update(steps=20, prompts_per_step=8, group_size=8, max_new_tokens=32,
               num_minibatches=2, temperature=1.0)
-  c.optim.update(learning_rate=5e-6, warmup_steps=2)
-  c.eval.update(num_problems=200, samples_per_problem=4, temperature=1.0,
+  c.optim.update(learning_rate=1e-5, warmup_steps=2)
+  c.eval.update(num_problems=200, samples_per_problem=2, temperature=1.0,
                 every=0)
   c.checkpoint.update(every=5, keep=2)
   c.log.progress_bar = False
