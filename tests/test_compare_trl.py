@@ -1,0 +1,55 @@
+"""experiments/compare_trl.py's quick path end to end (2 RL steps, one seed,
+one loss type, both trainers), so the comparison script cannot rot."""
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+from flax import nnx
+
+from ba_jax import hf, model as model_lib, run_setup, synthetic
+import trainer_utils
+
+pytest.importorskip("trl")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+import compare_trl  # noqa: E402
+
+
+@pytest.mark.slow
+def test_quick_comparison_writes_both_trainers_numbers(tmp_path, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  # A random smoke-sized policy as the start checkpoint (no warm-up run).
+  tokenizer = synthetic.build_tokenizer()
+  config = run_setup.build_model_config(trainer_utils.load_config("smoke"),
+                                        tokenizer)
+  start = tmp_path / "start"
+  hf.save_pretrained(model_lib.Decoder(config, rngs=nnx.Rngs(0)), config,
+                     start, tokenizer=tokenizer)
+  out = tmp_path / "compare_trl.md"
+  compare_trl.main(["--quick", "--config=configs/tiny.py:smoke",
+                    f"--set=init_from={start}", "--set=sft.steps=0",
+                    "--parts=train", f"--workdir={tmp_path / 'work'}",
+                    f"--out={out}"])
+  results = json.loads(out.with_suffix(".json").read_text())
+  cell = results["train"]["cells"]["token/0"]
+  assert cell["trl_loss"] == "dapo"
+  for name in ("ba_jax", "trl"):
+    run = cell["runs"][name]
+    assert [s["step"] for s in run["steps"]] == [1, 2]
+    for s in run["steps"]:
+      assert s["total"] > 0 and s["generation"] > 0
+      assert 0.0 <= s["reward"] <= 1.0
+    assert 0 < run["rl_seconds"] <= run["run_seconds"]
+    assert not math.isnan(run["run_seconds"])
+    for value in cell["final"][name].values():
+      assert 0.0 <= value <= 1.0
+    assert [r["step"] for r in run["curve"] if 0 < r["step"] < 2] == [1]
+  # TRL saw exactly our prompts, in our order (checked in the script).
+  assert cell["runs"]["trl"]["prompts_checked"] == 2 * 4
+  assert cell["runs"]["trl"]["prompt_order_ok"]
+  assert results["train"]["meta"]["host"]["matmul_gflops"]["jax"] > 0
+  text = out.read_text()
+  assert "| token | 0 | ba_jax |" in text and "| token | trl | 0 |" in text
+  assert out.with_suffix(".png").stat().st_size > 10_000
