@@ -8,7 +8,8 @@
 Every kernel treats padding the same way: a key with mask 0 gets no weight, and
 a query that may see no key (left padding) gets the mean of all values, as a
 softmax over a row of equal masked scores gives. The decode path keeps its KV
-cache and calls `full_attention`.
+cache and calls `full_attention`. `einsum_f32` is the float32-accumulating product
+that the kernels and the LM head share.
 """
 from __future__ import annotations
 
@@ -34,6 +35,25 @@ def resolve_impl(impl: str, *, head_dim: int, dtype, backend: str | None = None)
   if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128:
     return "cudnn"
   return "blockwise"
+
+
+def _upcast_16bit(x):
+  return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4 else x
+
+
+def einsum_f32(subscripts: str, a, b, *, backend: str | None = None):
+  """`jnp.einsum` of two operands accumulated in float32, with a float32 result.
+
+  Accelerators multiply 16-bit operands as they are, accumulating in float32. XLA:CPU has no such
+  product in every layout: where its YNNPACK fusion declines a dot (the cached prefill's q.K, keys
+  `[B, K, D, S]` with K > 1) the fallback `DotThunk` raises "Unsupported element type ... BF16 x
+  BF16 = F32". So on CPU (`backend`, default JAX's default) 16-bit float operands (float16 too,
+  one rule for all) are cast to float32 first: a product of two such numbers is exact in float32,
+  so the result is the same float32 sum. float32 operands pass through unchanged everywhere.
+  """
+  if (backend or jax.default_backend()) == "cpu":
+    a, b = _upcast_16bit(a), _upcast_16bit(b)
+  return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32)
 
 
 def _cache_attention_cpu(q_BxKxGxD, k_BxKxDxS, v_BxKxSxD, allowed_BxS):
@@ -69,14 +89,12 @@ def full_attention(q_BxLxHxD, k, v, allowed_BxLxS, kv_axes: str = "bskd", k_axes
     q_BxKxGxD = q_BxLxHxD.reshape(B, K, H // K, D)
     if (k_axes, kv_axes) == ("bkds", "bksd") and jax.default_backend() == "cpu":
       return _cache_attention_cpu(q_BxKxGxD, k, v, allowed_BxLxS[:, 0]).astype(dt).reshape(B, 1, H, D)
-    scores = jnp.einsum(f"bkgd,{k_axes}->bkgs", q_BxKxGxD, k.astype(dt),
-                        preferred_element_type=jnp.float32) * (D ** -0.5)
+    scores = einsum_f32(f"bkgd,{k_axes}->bkgs", q_BxKxGxD, k.astype(dt)) * (D ** -0.5)
     scores = jnp.where(allowed_BxLxS[:, 0, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     return jnp.einsum(f"bkgs,{kv_axes}->bkgd", probs, v.astype(dt)).reshape(B, 1, H, D)
   q_BxLxKxGxD = q_BxLxHxD.reshape(B, L, K, H // K, D)
-  scores = jnp.einsum(f"blkgd,{k_axes}->bkgls", q_BxLxKxGxD, k.astype(dt),
-                      preferred_element_type=jnp.float32) * (D ** -0.5)
+  scores = einsum_f32(f"blkgd,{k_axes}->bkgls", q_BxLxKxGxD, k.astype(dt)) * (D ** -0.5)
   scores = jnp.where(allowed_BxLxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(dt)
   return jnp.einsum(f"bkgls,{kv_axes}->blkgd", probs, v.astype(dt)).reshape(B, L, H, D)
@@ -208,14 +226,14 @@ def blockwise_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, block: int):
 
       def update(carry):
         m, l, acc = carry
-        s = jnp.einsum("bqkgd,bskd->bkgqs", q_BxTxKxGxD, k_BxTxKxD, preferred_element_type=f32) * scale
+        s = einsum_f32("bqkgd,bskd->bkgqs", q_BxTxKxGxD, k_BxTxKxD) * scale
         causal_TxT = (qi * T + offsets)[:, None] >= (ki * T + offsets)[None, :]
         s = jnp.where((causal_TxT[None] & (mask_BxT[:, None, :] == 1))[:, None, None], s, neg)
         # The result does not depend on the running max, so no gradient flows through it.
         m_new = jax.lax.stop_gradient(jnp.maximum(m, s.max(-1)))
         p = jnp.exp(s - m_new[..., None])
         correction = jnp.exp(m - m_new)
-        pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(dt), v_BxTxKxD, preferred_element_type=f32)
+        pv = einsum_f32("bkgqs,bskd->bkgqd", p.astype(dt), v_BxTxKxD)
         return m_new, l * correction + p.sum(-1), acc * correction[..., None] + pv
 
       return jax.lax.cond(ki <= qi, update, lambda c: c, carry), None

@@ -273,8 +273,10 @@ def _notes(c: model_lib.ModelConfig, prompt_len: int, response_len: int,
                  f"{c.max_position_embeddings}")
   if platform == "cpu" and "bfloat16" in (c.dtype, c.param_dtype):
     notes.append("XLA:CPU computes bfloat16 element-wise ops in float32, "
-                 "so its temporaries for them (optimizer update, "
-                 "softmax) are up to twice an accelerator's")
+                 "and the float32-accumulated products (attention scores, "
+                 "LM head) on float32 copies of their operands, so its "
+                 "temporaries for them (optimizer update, softmax, those "
+                 "operands) are up to twice an accelerator's")
   return notes
 
 

@@ -373,7 +373,7 @@ class Decoder(nnx.Module):
     """Float32 logits [B,L,V] (and the updated cache when `cache` is given); `layers`: see `hidden_states`."""
     x, new_cache = self.hidden_states(input_ids_BxL, attention_mask_BxL, positions_BxL=positions_BxL,
                                       cache=cache, attention_mask=attention_mask, layers=layers)
-    logits = jnp.einsum("ble,ev->blv", x, self.head_weights(), preferred_element_type=jnp.float32)
+    logits = attention_lib.einsum_f32("ble,ev->blv", x, self.head_weights())
     return logits if cache is None else (logits, new_cache)
 
   def head_weights(self) -> jax.Array:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ba_jax import attention as attention_lib
+
 
 def left_justify(ids_BxL: jax.Array, mask_BxL: jax.Array, pad_id: int = 0):
   """Moves every row's real tokens to the right end, keeping their order.
@@ -54,8 +56,7 @@ def chunked_token_logprobs(hidden_NxTxE: jax.Array, head_ExV: jax.Array,
 
   @jax.checkpoint
   def one_chunk(hidden_NxCxE, tokens_NxC):
-    logits_NxCxV = jnp.einsum("nce,ev->ncv", hidden_NxCxE, head_ExV,
-                              preferred_element_type=jnp.float32)
+    logits_NxCxV = attention_lib.einsum_f32("nce,ev->ncv", hidden_NxCxE, head_ExV)
     return token_logprobs(logits_NxCxV, tokens_NxC, temperature)
 
   _, (logp_nxNxC, entropy_nxNxC) = jax.lax.scan(
