@@ -30,7 +30,6 @@ import numpy as np
 from absl import app, flags, logging
 
 
-
 def _define_flags() -> None:
   """The command's flags, defined only when it runs as ``python -m``: absl
   flags are global, and ``ba_jax.export`` (importable beside this module)
@@ -41,6 +40,7 @@ def _define_flags() -> None:
   flags.DEFINE_string("output_dir", None, "Hugging Face directory to write", required=True)
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "dtype of the written weights")
   flags.DEFINE_bool("overwrite", False, "replace an existing --output_dir")
+
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF names of the families ba_jax.model runs
 CHECK_PROMPT = "What is 7 + 5? Answer with the final number only."

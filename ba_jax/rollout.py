@@ -202,6 +202,7 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
   local_round = process_slice(per_round)
   kept, spare, rounds, sampled_groups = [], [], 0, 0
   t_sample = t_reward = 0.0
+  counts_format = hasattr(task, "answer_found")  # optional Task method
   format_fails = 0
   while True:
     problems = task.problems(position + rounds * per_round,
@@ -218,7 +219,7 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
     t1 = time.perf_counter()
     texts = task.decode(out.tokens, out.mask)
     rewards, correct = task.grade(texts, [p for p in problems for _ in range(G)])
-    if hasattr(task, "answer_found"):
+    if counts_format:
       format_fails += len(texts) - int(task.answer_found(texts).sum())
     final = _final_rewards(rewards, out, rl)
     t_reward += time.perf_counter() - t1
@@ -260,7 +261,7 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
                dapo_dropped_groups=float(sampled_groups - n_local)
                if dynamic else 0.0,
                sampled_tokens=float(lengths.sum()))
-  if hasattr(task, "answer_found"):  # over every response sampled
+  if counts_format:  # over every response sampled
     stats["format_fail_frac"] = format_fails / (sampled_groups * G)
   return Rollout(prompt_ids, prompt_mask, tokens, loss_mask, sample_mask,
                  logp, rewards, correct, truncated, adv.astype(np.float32),
@@ -287,7 +288,3 @@ def heldout_correct(model, task, *, samples: int, temperature: float,
   _, correct = task.grade(texts, [p for p in problems for _ in range(samples)])
   return allgather(correct.astype(bool)).reshape(-1, samples)
 
-
-def heldout_accuracy(model, task, **kwargs) -> float:
-  """Mean accuracy of ``heldout_correct(model, task, **kwargs)``."""
-  return float(heldout_correct(model, task, **kwargs).mean())

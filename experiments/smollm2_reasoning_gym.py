@@ -51,8 +51,8 @@ def paired_interval(before_P, after_P, *, resamples=10_000, seed=0):
 
 
 def probe(output: pathlib.Path, num_problems: int) -> None:
-  """The base model's held-out accuracy (greedy, and 4 samples at T=1) for
-  each of CANDIDATES, written as a markdown table."""
+  """The base model's held-out accuracy (greedy, and the config's eval
+  samples) for each of CANDIDATES, written as a markdown table."""
   import jax
   from ba_jax import run_setup, trainer
   rows = []
@@ -96,12 +96,12 @@ def _write_probe(output, rows, c, num_problems) -> None:
 def report(workdir: pathlib.Path, output: pathlib.Path, png: pathlib.Path,
            title: str) -> None:
   import json
-  from ba_jax import metrics
+  from ba_jax import metrics, trainer
+  heldout = workdir / trainer.HELDOUT_DIR
   steps = sorted(int(p.stem.split("_")[1])
-                 for p in (workdir / "heldout").glob("step_*.json"))
+                 for p in heldout.glob("step_*.json"))
   first, last = steps[0], steps[-1]
-  load = lambda s: json.loads((workdir / "heldout" / f"step_{s}.json"
-                               ).read_text())
+  load = lambda s: json.loads((heldout / f"step_{s}.json").read_text())
   before, after = load(first), load(last)
   train = [dict(r, step=s) for s, r in
            sorted(metrics.read_metrics(str(workdir)).items())
