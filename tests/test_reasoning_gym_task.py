@@ -163,3 +163,21 @@ def test_runlocal_runs_the_real_configs_code_path(tmp_path):
         c.eval.num_problems, c.eval.samples_per_problem)
     acc = out["after_rl" if step else "before_rl"]
     assert acc["heldout_acc_greedy"] == np.mean(tables["greedy"])
+
+
+def test_paired_interval_of_the_smollm2_report():
+  import sys
+  sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve()
+                         .parents[1] / "experiments"))
+  import smollm2_reasoning_gym as report
+  # Every problem gains exactly 1: the interval collapses onto the gain.
+  assert report.paired_interval(np.zeros(50), np.ones(50)) == (1.0, 1.0, 1.0)
+  rng = np.random.default_rng(0)
+  before = rng.random(200) < 0.4
+  after = before | (rng.random(200) < 0.3)
+  gain, lo, hi = report.paired_interval(before, after)
+  assert gain == pytest.approx(np.mean(after) - np.mean(before), abs=1e-12)
+  assert 0 < lo < gain < hi
+  # The paired bootstrap's spread is the standard error of the differences.
+  se = np.std(after.astype(float) - before, ddof=1) / np.sqrt(200)
+  assert abs((hi - lo) / 2 - 1.96 * se) < 0.2 * se
