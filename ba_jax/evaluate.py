@@ -10,15 +10,15 @@
 
 `--k` is the number of samples per problem (n); pass@1, 2, 4, ..., n are
 reported with the unbiased estimator, and avg@n. Code benchmarks
-(`ba_jax.code_data`) run their tests in `ba_jax.sandbox`; a sample is correct
+(`ba_jax.tasks.code_data`) run their tests in `ba_jax.sandboxing.sandbox`; a sample is correct
 when it passes all of them. With `--template=chat` a code prompt is an
 instruction in the chat template; otherwise the completion prompt (the
 function prompt, or the question with an opened code fence). Logic:
-`ba_jax.eval_lib`.
+`ba_jax.run.eval_lib`.
 """
 from absl import app, flags
 
-from ba_jax import eval_lib
+from ba_jax.run import eval_lib
 
 _MODEL = flags.DEFINE_string("model", None, "Hugging Face directory or trainer workdir.", required=True)
 _BENCHMARKS = flags.DEFINE_list("benchmarks", ["aime24", "aime25", "amc23", "math500", "minerva",

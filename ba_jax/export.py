@@ -19,8 +19,10 @@ _STEP = flags.DEFINE_integer("step", None, "checkpoint step (default newest)")
 
 def export(workdir: str, output_dir: str, step: int | None = None) -> str:
   """Exports the policy in ``workdir`` to ``output_dir``; returns the path."""
-  from ba_jax import hf, paths, run_setup
-  model, model_config, tokenizer = run_setup.restore_policy(workdir, step)
+  from ba_jax.policy import hf
+  from ba_jax.run import paths
+  from ba_jax.run import workdir as workdir_lib
+  model, model_config, tokenizer = workdir_lib.restore_policy(workdir, step)
   with paths.output_dir(output_dir) as local:
     hf.save_pretrained(model, model_config, local, tokenizer=tokenizer)
   return output_dir
@@ -30,7 +32,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
-  from ba_jax import checkpointing
+  from ba_jax.run import checkpointing
   try:
     path = export(_WORKDIR.value, _OUTPUT.value, _STEP.value)
   except (checkpointing.NoIntactCheckpoint, FileNotFoundError) as e:

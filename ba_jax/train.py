@@ -78,14 +78,18 @@ def main(argv):
                                process_id=_PROCESS_ID.value)
   elif os.environ.get("BA_JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()
-  from ba_jax import checkpointing, data, resume, run_setup, trainer
+  from ba_jax.run import checkpointing
+  from ba_jax.tasks import data
+  from ba_jax.run import resume
+  from ba_jax.run import checks
+  from ba_jax.run import trainer
   overrides = config_flags.get_override_values(flags.FLAGS["config"])
   try:
     summary = trainer.run(_CONFIG.value, _WORKDIR.value,
                           explicit=set(overrides),
                           allow_config_change=_ALLOW_CHANGE.value)
   except (resume.ConfigChanged, checkpointing.NoIntactCheckpoint,
-          run_setup.ConfigError, data.DataError) as e:
+          checks.ConfigError, data.DataError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(EXIT_REFUSED)
   if summary.get("stopped") == trainer.StopReason.NONFINITE:

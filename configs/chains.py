@@ -1,4 +1,4 @@
-"""The length-controlled task (ba_jax/chains.py) for the aggregation grid
+"""The length-controlled task (ba_jax/tasks/chains.py) for the aggregation grid
 (experiments/grid_aggregation.py): a small Qwen3-style policy, supervised
 warm-up, then short GRPO runs at a stressing learning rate.
 
@@ -22,7 +22,7 @@ do), so every gap of one spread shares its warm-up: experiments/
 grid_aggregation.py warms up once per (spread, seed).
 
 The rules are the COUNT rules (the answer, the last chain and the number of
-chains; ba_jax/chains.py says why), not the chain rules that also check every
+chains; ba_jax/tasks/chains.py says why), not the chain rules that also check every
 chain's arithmetic. With the chain rules a small policy's long responses had
 more chains to get wrong, so on its own samples the correct responses were
 the short ones even under ``min_chains:2``, and only 1-8% were correct
@@ -46,7 +46,7 @@ import types
 
 import ml_collections
 
-from ba_jax import chains
+from ba_jax.tasks import chains
 
 common = types.SimpleNamespace(**runpy.run_path(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py")))
@@ -86,7 +86,7 @@ def get_config(arg=None):
                       max_position_embeddings=160))
 
   c.task = ml_collections.ConfigDict(dict(
-      name=chains.NAME,  # ba_jax/chains.py
+      name=chains.NAME,  # ba_jax/tasks/chains.py
       min_terms=2,  # numbers in the prompt: 2 or 3
       max_terms=3,
       max_value=5,  # numbers 1..5: mostly single-digit partial sums

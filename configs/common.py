@@ -7,13 +7,13 @@ Config files load this one by path (``configs/`` is not a package)::
     common = _load_common()  # see the bottom of any config file
 
 The sharding rules are not copied here: every config uses the one table,
-``ba_jax.sharding.DEFAULT_RULES`` (logical axis name -> mesh axes), so a new
+``ba_jax.policy.sharding.DEFAULT_RULES`` (logical axis name -> mesh axes), so a new
 logical axis name is added there once.
 """
 import ml_collections
 from ml_collections import config_dict
 
-from ba_jax import sharding
+from ba_jax.policy import sharding
 
 
 def parse_variants(arg, allowed: dict[str, str], config_file: str) -> dict:
@@ -38,7 +38,7 @@ def base(aggregation: str = "balanced") -> ml_collections.ConfigDict:
   c.seed = 0  # parameters, data stream and sampling all derive from it
 
   # A Hugging Face directory (config.json, safetensors, tokenizer) to start
-  # from, read by ba_jax.hf.load_pretrained; "" builds a random model from
+  # from, read by ba_jax.policy.hf.load_pretrained; "" builds a random model from
   # config.model. With it set, the architecture is the checkpoint's own and
   # config.model supplies only how to run it (dtype, param_dtype, remat,
   # attention_*, logprob_chunk, scan_unroll).
@@ -61,9 +61,9 @@ def base(aggregation: str = "balanced") -> ml_collections.ConfigDict:
       temperature=1.0,  # sampling temperature; the loss scores at it too
       top_p=1.0,  # nucleus sampling (1.0 = off)
       top_k=0,  # top-k sampling (0 = off)
-      max_slots=0,  # decode slots per process (0: all rows at once; fewer: continuous batching, ba_jax/engine.py)
+      max_slots=0,  # decode slots per process (0: all rows at once; fewer: continuous batching, ba_jax/generation/engine.py)
       # KV-cache budget per device, GiB (0: unused): the engine runs the
-      # slots it holds (ba_jax.rollout.decode_slots); with max_slots also
+      # slots it holds (ba_jax.run.rollout.decode_slots); with max_slots also
       # set, max_slots is used and must fit it.
       kv_cache_gib=0.0,
       prefill_chunk=0,  # the engine prefills prompts this many tokens at a time (0: whole)
@@ -85,7 +85,7 @@ def base(aggregation: str = "balanced") -> ml_collections.ConfigDict:
       max_nonfinite=5,  # this many non-finite updates in a row stops the run
   ))
 
-  # Loss (ba_jax.losses.policy_loss); every option is static in the step.
+  # Loss (ba_jax.loss.losses.policy_loss); every option is static in the step.
   c.loss = ml_collections.ConfigDict(dict(
       aggregation=aggregation,  # token | sequence | dr_grpo | balanced
       eps_low=0.2,  # clip range below 1
@@ -100,7 +100,7 @@ def base(aggregation: str = "balanced") -> ml_collections.ConfigDict:
       ba_scope="group",  # group | batch
   ))
 
-  # optax AdamW for RL (ba_jax.train_step.make_optimizer).
+  # optax AdamW for RL (ba_jax.update.train_step.make_optimizer).
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=1e-4,  # peak
       warmup_steps=2,  # linear warm-up from 0, in optimizer updates
@@ -138,7 +138,7 @@ def base(aggregation: str = "balanced") -> ml_collections.ConfigDict:
 
 
 def model(**fields) -> ml_collections.ConfigDict:
-  """A ``model`` section: ``fields`` (ba_jax.model.ModelConfig's) over the
+  """A ``model`` section: ``fields`` (ba_jax.policy.model.ModelConfig's) over the
   defaults of how to run it."""
   return ml_collections.ConfigDict(dict(dict(
       dtype="float32",  # compute dtype
@@ -146,12 +146,12 @@ def model(**fields) -> ml_collections.ConfigDict:
       # What the backward pass of each (scanned) layer keeps: "none" keeps
       # every activation; "full" recomputes the layer; a jax.checkpoint
       # policy such as "dots_with_no_batch_dims_saveable" keeps the matmul
-      # outputs (ba_jax.model.REMAT_POLICIES).
+      # outputs (ba_jax.policy.model.REMAT_POLICIES).
       remat="none",
       # Uncached attention: "full" builds the [L, L] score matrix; "blockwise"
       # runs over attention_block x attention_block tiles (flash-style);
       # "auto" picks the backend's kernel (splash on TPU, cuDNN on GPU,
-      # blockwise on CPU; ba_jax/attention.py).
+      # blockwise on CPU; ba_jax/policy/attention.py).
       attention_impl="full",
       attention_block=512,
       # Scoring runs the LM head and log-softmax over this many tokens at a
@@ -210,16 +210,16 @@ def runlocal(c: ml_collections.ConfigDict) -> None:
 
 
 def synthetic_task(**fields) -> ml_collections.ConfigDict:
-  """The bundled synthetic addition task (ba_jax/synthetic.py)."""
+  """The bundled synthetic addition task (ba_jax/tasks/synthetic.py)."""
   return ml_collections.ConfigDict(dict(dict(
-      name="synthetic_sum",  # a name registered in ba_jax/tasks.py
+      name="synthetic_sum",  # a name registered in ba_jax/tasks/registry.py
       min_terms=2,  # fewest numbers to add (response length grows with it)
       max_terms=4,  # most numbers to add: the length-variation setting
       max_value=9,  # each number is drawn from 1..max_value
       length_gap=6,  # wrong minus right length, tokens
       sft_correct_frac=0.5,  # share of correct traces in the warm-up data
-      # rewards: ba_jax.rewards.score_math(rule="answer"), the math reward
-      # path; builtin: ba_jax.synthetic.grade, the same rule without it.
+      # rewards: ba_jax.tasks.rewards.score_math(rule="answer"), the math reward
+      # path; builtin: ba_jax.tasks.synthetic.grade, the same rule without it.
       grader="rewards",
       max_prompt_len=16,  # prompt tokens, padded (static shape)
   ), **fields))
@@ -285,10 +285,10 @@ def dapo_recipe(c: ml_collections.ConfigDict, param_dtype: str) -> None:
 
 
 def math_task(**fields) -> ml_collections.ConfigDict:
-  """A dataset task section (ba_jax.dataset_task): ``fields`` (name, path,
+  """A dataset task section (ba_jax.tasks.dataset_task): ``fields`` (name, path,
   the loader's filters, template and rule) over the shared grading."""
   return ml_collections.ConfigDict(dict(dict(
-      grader="rewards",  # ba_jax.rewards.score_math (math-verify)
+      grader="rewards",  # ba_jax.tasks.rewards.score_math (math-verify)
       correct_score=1.0,  # reward of a correct response
       incorrect_score=-1.0,  # reward of a wrong or unparsable one
       max_prompt_len=2048,  # prompt tokens, left-padded (static shape)

@@ -53,11 +53,11 @@ def get_config(arg=None):
       qk_norm=False, max_position_embeddings=4096)
   c.init_from = "/path/to/Qwen2.5-Math-7B"  # SET IT: config.json, *.safetensors
   c.task = common.math_task(
-      name="dapo_math17k",  # read by ba_jax.data.load_dapo_math
+      name="dapo_math17k",  # read by ba_jax.tasks.data.load_dapo_math
       path="/path/to/dapo-math-17k",  # SET IT: parquet/jsonl or dataset dir
       dedup=True,  # the public copy repeats each prompt ~100 times
-      template="answer",  # ba_jax.data.format_prompt: DAPO's Answer: prompt
-      rule="answer",  # ba_jax.rewards rule: the last "Answer:" line
+      template="answer",  # ba_jax.tasks.data.format_prompt: DAPO's Answer: prompt
+      rule="answer",  # ba_jax.tasks.rewards rule: the last "Answer:" line
       max_prompt_len=1024,  # prompt tokens, left-padded (see the docstring)
   )
   # 1024 + 3072 = the model's 4096-token context (see the docstring).

@@ -54,17 +54,17 @@ def get_config(arg=None):
       max_position_embeddings=40960)
   c.init_from = "/path/to/Qwen3-1.7B"  # SET IT: config.json, *.safetensors
   c.task = common.math_task(
-      name="polaris",  # read by ba_jax.data.load_polaris
+      name="polaris",  # read by ba_jax.tasks.data.load_polaris
       path="/path/to/polaris-53k.jsonl",  # SET IT: the Polaris-53K jsonl
       # Keep problems whose difficulty (pass rate of a reference model,
       # e.g. "3/8") is within [min, max]; None = no bound. 7/8 drops the
       # problems solved every time, which give all-equal groups.
       min_difficulty=config_dict.placeholder(float),
       max_difficulty=0.875,
-      # ba_jax.data.format_prompt: the problem and the \\boxed{} request;
+      # ba_jax.tasks.data.format_prompt: the problem and the \\boxed{} request;
       # "chat" wraps the same text in the tokenizer's chat template.
       template="boxed",
-      rule="boxed",  # ba_jax.rewards rule: the last \\boxed{...}
+      rule="boxed",  # ba_jax.tasks.rewards rule: the last \\boxed{...}
       max_prompt_len=2048,  # prompt tokens, left-padded
   )
   c.rl.update(max_new_tokens=20480, overlong_buffer=4096)  # DAPO's

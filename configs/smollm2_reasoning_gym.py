@@ -6,7 +6,7 @@
         --workdir=/tmp/smollm2_rg
 
 No warm-up: GRPO with balanced aggregation straight from the checkpoint.
-Problems are reasoning-gym's ``basic_arithmetic`` (ba_jax/reasoning_gym_task.py);
+Problems are reasoning-gym's ``basic_arithmetic`` (ba_jax/tasks/reasoning_gym_task.py);
 the difficulty was chosen by ``experiments/smollm2_reasoning_gym.py
 --stage=probe`` (the untrained model's held-out pass rate, written to
 experiments/results/smollm2_probe.md before any RL run) so that groups are
@@ -28,7 +28,7 @@ import types
 
 common = types.SimpleNamespace(**runpy.run_path(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py")))
-from ba_jax import reasoning_gym_task  # noqa: E402
+from ba_jax.tasks import reasoning_gym_task  # noqa: E402
 
 VARIANTS = {"agg": "<aggregation mode>",
             "runlocal": "a seconds-scale run of the same code path (tiny "

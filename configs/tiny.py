@@ -2,7 +2,7 @@
 
     python -m ba_jax.train --config=configs/tiny.py --workdir=/tmp/tiny
 
-Supervised warm-up on the synthetic task (ba_jax/synthetic.py), then GRPO with
+Supervised warm-up on the synthetic task (ba_jax/tasks/synthetic.py), then GRPO with
 balanced aggregation; held-out accuracy is printed before and after RL.
 Every section's keys and defaults are documented in configs/common.py; this
 file states the model, the task and what differs. Variants (comma separated
@@ -36,16 +36,16 @@ def get_config(arg=None):
       num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
       tie_word_embeddings=True, qk_norm=True, max_position_embeddings=128)
 
-  # The bundled synthetic task (ba_jax/synthetic.py).
+  # The bundled synthetic task (ba_jax/tasks/synthetic.py).
   c.task = ml_collections.ConfigDict(dict(
-      name="synthetic_sum",  # a name registered in ba_jax/tasks.py
+      name="synthetic_sum",  # a name registered in ba_jax/tasks/registry.py
       min_terms=2,  # fewest numbers to add (response length grows with it)
       max_terms=4,  # most numbers to add: the length-variation setting
       max_value=9,  # each number is drawn from 1..max_value
       length_gap=int(args.get("gap", 6)),  # wrong minus right length, tokens
       sft_correct_frac=0.5,  # share of correct traces in the warm-up data
-      # rewards: ba_jax.rewards.score_math(rule="answer"), the math reward
-      # path; builtin: ba_jax.synthetic.grade, the same rule without it.
+      # rewards: ba_jax.tasks.rewards.score_math(rule="answer"), the math reward
+      # path; builtin: ba_jax.tasks.synthetic.grade, the same rule without it.
       grader="rewards",
       max_prompt_len=16,  # prompt tokens, padded (static shape)
   ))

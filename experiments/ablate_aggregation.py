@@ -26,7 +26,7 @@ import sys
 
 import numpy as np
 
-from ba_jax.aggregation import MODES
+from ba_jax.loss.aggregation import MODES
 CURVES = (("reward_mean", "training reward"),
           ("heldout_acc_sampled", "held-out accuracy (sampled)"),
           ("length_mean", "response length"),

@@ -2,7 +2,7 @@
 
     python experiments/bench_aggregation.py [--seqs 512] [--tokens 4096] [--rounds 15]
 
-Times ``jax.value_and_grad`` of ``ba_jax.losses.policy_loss`` with respect to
+Times ``jax.value_and_grad`` of ``ba_jax.loss.losses.policy_loss`` with respect to
 the per-token log-probs on a [seqs, tokens] batch (G = 16, random lengths,
 binary rewards), for each mode. Modes are timed round-robin so that load from
 other processes falls on all of them alike; the median is reported. Writes
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ba_jax import losses
-from ba_jax.aggregation import MODES
+from ba_jax.loss import losses
+from ba_jax.loss.aggregation import MODES
 
 OUT = pathlib.Path(__file__).parent / "results" / "aggregation_bench.md"
 

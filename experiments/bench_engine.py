@@ -39,8 +39,13 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from ba_jax import attention as attention_lib
-from ba_jax import decoding, engine, hf, kv_cache, sampler, scoring
+from ba_jax.policy import attention as attention_lib
+from ba_jax.generation import decoding
+from ba_jax.generation import engine
+from ba_jax.policy import hf
+from ba_jax.policy import kv_cache
+from ba_jax.generation import sampler
+from ba_jax.policy import scoring
 
 EOS_ID, PAD_ID = 1, 0
 HAND_WRITTEN = "<!-- hand-written below: kept when the script re-runs -->"

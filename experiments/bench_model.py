@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from ba_jax.model import Decoder, ModelConfig
+from ba_jax.policy.model import Decoder, ModelConfig
 
 BENCH_CONFIG = ModelConfig(
     model_type="qwen2", vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8,

@@ -16,7 +16,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ba_jax import rewards  # noqa: E402
+from ba_jax.tasks import rewards  # noqa: E402
 
 def _integer(rng):
   v = rng.randint(-50, 9999)

@@ -1,4 +1,4 @@
-"""Sampler throughput: ba_jax.sampler vs transformers generate, same weights, one process.
+"""Sampler throughput: ba_jax.generation.sampler vs transformers generate, same weights, one process.
 
     python experiments/bench_sampler.py            # the issue's setting, ~10 min on 2 cores
     python experiments/bench_sampler.py --quick    # a smoke run, tiny model
@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from ba_jax import hf, sampler
+from ba_jax.policy import hf
+from ba_jax.generation import sampler
 
 EOS_ID, PAD_ID = 1, 0
 FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,

@@ -28,7 +28,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
-from ba_jax import trainer  # noqa: E402
+from ba_jax.run import trainer  # noqa: E402
 import trainer_utils  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 
     python experiments/chains_warmup_probe.py --spread=high --gap=pos --sft_steps=400
 
-Supervised warm-up of a random policy on ba_jax/chains.py's traces, then
+Supervised warm-up of a random policy on ba_jax/tasks/chains.py's traces, then
 ``--group_size`` samples for each of ``--prompts`` held-out problems at
 temperature 1. Reports the share of well-formed responses, accuracy under the
 rule, the chain-count histogram, and the length statistics the trainer logs
@@ -11,7 +11,7 @@ the policy's samples rather than on the warm-up data, and the within-group
 gap (mean over groups holding both signs of positive minus negative mean
 length, absolute and relative to the group's mean). Writes a JSON file.
 
-The warm-up is ``ba_jax.sft.warmup`` on the task's ``warmup_examples``;
+The warm-up is ``ba_jax.update.sft.warmup`` on the task's ``warmup_examples``;
 ``python -m ba_jax.train --config=configs/chains.py`` runs the same task
 through the trainer.
 """
@@ -28,7 +28,12 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from ba_jax import advantages, chains, metrics, model as model_lib, sampler, sft
+from ba_jax.loss import advantages
+from ba_jax.tasks import chains
+from ba_jax.run import metrics
+from ba_jax.policy import model as model_lib
+from ba_jax.generation import sampler
+from ba_jax.update import sft
 
 COUNTS = {"low": "4,5", "high": "1,2,8"}
 RULES = {("low", "neg"): "max_chains:4", ("low", "none"): "answer", ("low", "pos"): "min_chains:5",

@@ -9,14 +9,14 @@ Part 1 ("train", ``--config``, default the default job configs/tiny.py):
 the config's supervised warm-up is run once and its policy exported to a
 Hugging Face directory with its tokenizer; then, for every seed and every
 loss type that TRL also has (our ``token`` = TRL ``dapo``, ``sequence`` =
-``grpo``, ``dr_grpo`` = ``dr_grpo``), ba_jax (``ba_jax.trainer.run``) and
+``grpo``, ``dr_grpo`` = ``dr_grpo``), ba_jax (``ba_jax.run.trainer.run``) and
 TRL (``GRPOTrainer``) each run GRPO from that directory, one after the other,
 on the same prompts (the task's ``problems``, TRL's retokenised prompt ids
 asserted equal to ours), with the same reward function (the task's
 ``grade``), group size, prompts per step, response budget, temperature,
 optimizer and schedule, clip range, advantage scaling, beta = 0, mini-batches
 and number of steps. Both final policies are exported to Hugging Face
-directories and scored by one evaluator (``ba_jax.trainer.evaluate``: held-out
+directories and scored by one evaluator (``ba_jax.run.trainer.evaluate``: held-out
 accuracy, sampled and greedy, the same PRNG key). Per RL step the wall time is
 split into generation, scoring (rewards), update and the rest.
 

@@ -187,7 +187,7 @@ def report_train(part: dict) -> list[str]:
             f"this job ({part['steps']} steps) and host."]
   # --- accuracy
   out += ["", "### Held-out accuracy after RL and training reward", "",
-          "Same evaluator for both (`ba_jax.trainer.evaluate` on the exported "
+          "Same evaluator for both (`ba_jax.run.trainer.evaluate` on the exported "
           "final weights, same problems and PRNG key per seed). Final "
           "training reward: mean of the last 5 RL steps' batch reward.", "",
           "| loss | trainer | seed | sampled | greedy | final train reward "
@@ -313,7 +313,7 @@ def report(results: dict, path: pathlib.Path, png: pathlib.Path | None):
         f"kind differ several-fold). Versions: {host['versions']}.", ""]
   lines += [
       "## Protocol (fixed before the results)", "",
-      "- **What is compared.** ba_jax (`ba_jax.trainer.run`) and TRL "
+      "- **What is compared.** ba_jax (`ba_jax.run.trainer.run`) and TRL "
       "(`GRPOTrainer`) run GRPO from the same Hugging Face checkpoint, on the "
       "same prompts (our task's prompt ids; TRL's retokenisation of their "
       "text is asserted equal), with the same reward function (the task's "
@@ -327,8 +327,8 @@ def report(results: dict, path: pathlib.Path, png: pathlib.Path | None):
       "task's prompt stream and held-out set (the same for both trainers at "
       "that seed); the two runs of a seed are paired.",
       "- **Held-out accuracy** of both final policies is measured by one "
-      "evaluator: the exported weights loaded by `ba_jax.hf.load_pretrained` "
-      "and scored by `ba_jax.trainer.evaluate` with the same PRNG key "
+      "evaluator: the exported weights loaded by `ba_jax.policy.hf.load_pretrained` "
+      "and scored by `ba_jax.run.trainer.evaluate` with the same PRNG key "
       "(sampled at the config's eval temperature, and greedy). Curves: every "
       "`eval_every` RL steps, by the same function (ba_jax: the trainer's "
       "`eval.every`; TRL: a callback that saves and loads the weights).",

@@ -1,5 +1,5 @@
 """The two trainers of experiments/compare_trl.py, each from one Hugging
-Face directory: ba_jax through ``ba_jax.trainer.run`` and TRL through
+Face directory: ba_jax through ``ba_jax.run.trainer.run`` and TRL through
 ``GRPOTrainer`` with arguments mirroring the ba_jax config (``trl_args``);
 the warm-up both start from, and the one evaluator of both final policies.
 Each ``run_*`` returns per-RL-step times (generation, scoring, update,
@@ -23,7 +23,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ba_jax import export, hf, run_setup, tasks, trainer  # noqa: E402
+from ba_jax import export
+from ba_jax.policy import hf
+from ba_jax.run import model_setup
+from ba_jax.run import setup as setup_lib
+from ba_jax.tasks import registry as tasks
+from ba_jax.run import trainer  # noqa: E402
 
 # ours -> TRL's loss_type, and our rl.advantage_std -> TRL's scale_rewards.
 LOSS_TYPES = {"token": "dapo", "sequence": "grpo", "dr_grpo": "dr_grpo"}
@@ -159,20 +164,20 @@ def cell_config(base, *, seed: int, loss: str, steps: int, init_from: str,
 
 
 class Evaluator:
-  """``ba_jax.trainer.evaluate`` on a Hugging Face directory's weights: the
+  """``ba_jax.run.trainer.evaluate`` on a Hugging Face directory's weights: the
   one evaluator of both trainers' policies (same held-out problems, same
   sampler, same PRNG key for the same ``key_index``)."""
 
   def __init__(self, config):
     self.config = config
-    self.setup = run_setup.make_setup(config)
+    self.setup = setup_lib.make_setup(config)
 
   def __call__(self, hf_dir, key_index: int = trainer.EVAL_KEY) -> dict:
     s = self.setup
     model, loaded = hf.load_pretrained(
         str(hf_dir), mesh=s.mesh, rules=s.rules,
         **{k: getattr(s.model_config, k)
-           for k in run_setup.runtime_fields(self.config)})
+           for k in model_setup.runtime_fields(self.config)})
     if loaded != s.model_config:
       raise ValueError(f"{hf_dir}: architecture {loaded} differs from the "
                        f"run's {s.model_config}")

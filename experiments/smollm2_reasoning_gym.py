@@ -54,14 +54,15 @@ def probe(output: pathlib.Path, num_problems: int) -> None:
   """The base model's held-out accuracy (greedy, and the config's eval
   samples) for each of CANDIDATES, written as a markdown table."""
   import jax
-  from ba_jax import run_setup, trainer
+  from ba_jax.run import setup as setup_lib
+  from ba_jax.run import trainer
   rows = []
   for label, settings in CANDIDATES:
     c = load_config()
     c.task.dataset_config.basic_arithmetic.update(settings)
     c.eval.num_problems = num_problems
-    setup = run_setup.make_setup(c)
-    params = run_setup.init_params(setup)
+    setup = setup_lib.make_setup(c)
+    params = setup_lib.init_params(setup)
     t0 = time.perf_counter()
     tables = trainer.evaluate_correct(setup, params, jax.random.key(0))
     rows.append((label, settings, float(tables["greedy"].mean()),
@@ -96,7 +97,8 @@ def _write_probe(output, rows, c, num_problems) -> None:
 def report(workdir: pathlib.Path, output: pathlib.Path, png: pathlib.Path,
            title: str) -> None:
   import json
-  from ba_jax import metrics, trainer
+  from ba_jax.run import metrics
+  from ba_jax.run import trainer
   heldout = workdir / trainer.HELDOUT_DIR
   steps = sorted(int(p.stem.split("_")[1])
                  for p in heldout.glob("step_*.json"))

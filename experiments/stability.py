@@ -15,7 +15,7 @@ threshold; each is computed on the 5-step trailing mean of its series
   its start; run-away above ``LENGTH_RUNAWAY`` = 2.0.
 
 The per-step series come from the trainer's ``metrics.jsonl``: ``accuracy``
-(training reward accuracy), ``entropy`` (ba_jax.losses), ``length_mean`` and
+(training reward accuracy), ``entropy`` (ba_jax.loss.losses), ``length_mean`` and
 ``clip_frac_low``/``clip_frac_high`` (reported as their mean, not judged).
 """
 from __future__ import annotations

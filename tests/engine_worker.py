@@ -15,7 +15,10 @@ if len(sys.argv) > 3:
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 
-from ba_jax import hf, rollout, sampler, sharding  # pylint: disable=g-import-not-at-top
+from ba_jax.policy import hf
+from ba_jax.run import rollout
+from ba_jax.generation import sampler
+from ba_jax.policy import sharding  # pylint: disable=g-import-not-at-top
 from model_utils import EOS_ID, PAD_ID, left_padded_batch  # pylint: disable=g-import-not-at-top
 
 SLOTS = 4  # whole mesh

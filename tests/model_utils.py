@@ -2,7 +2,7 @@
 
     from model_utils import save_tiny_model, make_tokenizer
     path = save_tiny_model("qwen3", tmp_path / "qwen3")   # config.json, safetensors, tokenizer
-    model, config = ba_jax.hf.load_pretrained(path)
+    model, config = ba_jax.policy.hf.load_pretrained(path)
 
 Kinds: "qwen2" (untied, q/k/v bias), "qwen2_tied", "qwen3" (q/k norm, head_dim
 independent of hidden/heads, tied like Qwen3-1.7B), "llama" (llama3 RoPE

@@ -10,7 +10,7 @@ import sys
 
 
 def run_jobs(jobs):
-  from ba_jax import sandbox
+  from ba_jax.sandboxing import sandbox
   try:
     sandbox.check_available()
   except sandbox.SandboxUnavailable as e:

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ba_jax import model as model_lib
-from ba_jax import sharding as sh
-from ba_jax import train_step as ts
+from ba_jax.policy import model as model_lib
+from ba_jax.policy import sharding as sh
+from ba_jax.update import train_step as ts
 import trainer_utils as tu
 
 RULES = sh.DEFAULT_RULES

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ba_jax.advantages import group_advantages
+from ba_jax.loss.advantages import group_advantages
 
 
 def test_group_std_is_unbiased_and_per_group():

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ba_jax import hf
-from ba_jax.model import ModelConfig
+from ba_jax.policy import hf
+from ba_jax.policy.model import ModelConfig
 from model_utils import left_padded_batch, save_tiny_model
 
 # Both paths sum the same float32 terms in a different order (tile by tile, with rescaling):
@@ -80,7 +80,7 @@ def test_config_choices_are_checked_and_stay_out_of_config_json():
 def test_backward_pass_holds_no_score_matrix():
   """XLA's buffers for a gradient stay below one float32 [B,H,L,L] score matrix (full needs several)."""
   from flax import nnx
-  from ba_jax.model import Decoder
+  from ba_jax.policy.model import Decoder
   length, batch = 512, 1
   config = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, remat=True,

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ba_jax import attention
-from ba_jax import sharding as sh
-from ba_jax.model import Decoder, ModelConfig
+from ba_jax.policy import attention
+from ba_jax.policy import sharding as sh
+from ba_jax.policy.model import Decoder, ModelConfig
 
 B, L, H, K = 4, 256, 4, 2
 

@@ -3,7 +3,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from ba_jax import chains, synthetic
+from ba_jax.tasks import chains
+from ba_jax.tasks import synthetic
 
 P = synthetic.Problem((3, 5, 2))  # S = 10
 RULES = ("answer", "min_chains:3", "max_chains:2", "min_count:3", "max_count:2")
@@ -241,7 +242,7 @@ def test_task_interface_from_a_config_section():
 
 def test_config_variants_pick_counts_and_rules():
   import trainer_utils as tu
-  from ba_jax import tasks
+  from ba_jax.tasks import registry as tasks
   high_neg = tu.load_config("spread=high,gap=neg,agg=token", "configs/chains.py")
   assert high_neg.task.name == chains.NAME and tasks.task_class(
       chains.NAME) is chains.ChainsTask
@@ -262,7 +263,7 @@ def test_config_variants_pick_counts_and_rules():
 
 def test_task_built_from_the_config_warms_up_on_chains():
   import trainer_utils as tu
-  from ba_jax import tasks
+  from ba_jax.tasks import registry as tasks
   config = tu.load_config("smoke,gap=pos", "configs/chains.py")
   task = tasks.make_task(config, tasks.make_tokenizer(config))
   assert isinstance(task, chains.ChainsTask) and task.has_warmup

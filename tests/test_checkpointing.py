@@ -10,7 +10,11 @@ import pytest
 import torch
 from flax import nnx
 
-from ba_jax import checkpointing, export, metrics as metrics_lib, run_setup, trainer
+from ba_jax.run import checkpointing
+from ba_jax import export
+from ba_jax.run import metrics as metrics_lib
+from ba_jax.run import workdir as workdir_lib
+from ba_jax.run import trainer
 import trainer_utils as tu
 
 # Metrics that depend on wall time differ between runs; all others must not.
@@ -69,7 +73,7 @@ def test_resume_is_exact(tmp_path):
 
 
 def test_soft_overlong_penalty_ramps_to_the_budget():
-  from ba_jax.rollout import soft_overlong_penalty
+  from ba_jax.run.rollout import soft_overlong_penalty
   lengths = np.array([10, 28, 29, 30, 32, 32])
   truncated = np.array([False, False, False, False, False, True])
   got = soft_overlong_penalty(lengths, truncated, max_len=32, buffer=4,
@@ -117,7 +121,7 @@ def test_sigterm_saves_and_the_run_resumes(tmp_path):
       done.stdout)
   straight = trainer.run(_fast_config(**{"rl.steps": steps}),
                          str(tmp_path / "straight"))
-  model, _, _ = run_setup.restore_policy(str(workdir))
+  model, _, _ = workdir_lib.restore_policy(str(workdir))
   assert tu.max_abs_diff(tu.host_params(nnx.state(model)),
                          tu.host_params(straight["state"])) == 0.0
 
@@ -130,7 +134,7 @@ def test_restore_onto_another_mesh_and_export(tmp_path):
                            "model.num_heads": 2})
   out = trainer.run(config, workdir)
   saved = tu.host_params(out["state"])
-  model, model_config, tokenizer = run_setup.restore_policy(
+  model, model_config, tokenizer = workdir_lib.restore_policy(
       workdir, mesh_shape={"data": 2, "fsdp": 2, "tensor": 2})
   embed = nnx.state(model)["embed_tokens"].get_value()
   assert embed.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ba_jax import aggregation as agg
-from ba_jax import losses, scoring
-from ba_jax.model import Decoder, ModelConfig
+from ba_jax.loss import aggregation as agg
+from ba_jax.loss import losses
+from ba_jax.policy import scoring
+from ba_jax.policy.model import Decoder, ModelConfig
 
 GROUP = 2
 

@@ -12,7 +12,9 @@ import zlib
 import numpy as np
 import pytest
 
-from ba_jax import code_data, data, eval_lib
+from ba_jax.tasks import code_data
+from ba_jax.tasks import data
+from ba_jax.run import eval_lib
 
 CODE_DIR = pathlib.Path(__file__).parent / "fixtures" / "code"
 FAST = eval_lib.EvalSettings(n_samples=3, code_timeout_s=1.5)

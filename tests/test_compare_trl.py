@@ -8,7 +8,10 @@ import sys
 import pytest
 from flax import nnx
 
-from ba_jax import hf, model as model_lib, run_setup, synthetic
+from ba_jax.policy import hf
+from ba_jax.policy import model as model_lib
+from ba_jax.run import model_setup
+from ba_jax.tasks import synthetic
 import trainer_utils
 
 pytest.importorskip("trl")
@@ -22,7 +25,7 @@ def test_quick_comparison_writes_both_trainers_numbers(tmp_path, monkeypatch):
   monkeypatch.chdir(ROOT)
   # A random smoke-sized policy as the start checkpoint (no warm-up run).
   tokenizer = synthetic.build_tokenizer()
-  config = run_setup.build_model_config(trainer_utils.load_config("smoke"),
+  config = model_setup.build_model_config(trainer_utils.load_config("smoke"),
                                         tokenizer)
   start = tmp_path / "start"
   hf.save_pretrained(model_lib.Decoder(config, rngs=nnx.Rngs(0)), config,

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ba_jax import data
+from ba_jax.tasks import data
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 EVAL_DIR = FIXTURES / "eval"

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ba_jax import metrics as metrics_lib, run_setup
+from ba_jax.run import metrics as metrics_lib
+from ba_jax.run import workdir as workdir_lib
 import trainer_utils as tu
 
 TIMING = ("time_sampling", "time_rewards", "time_training", "time_step",
@@ -78,7 +79,7 @@ def test_two_processes_agree_with_one(tmp_path):
     for exact in ("accuracy", "reward_mean", "length_mean", "sampled_tokens"):
       assert b[step][exact] == a[step][exact]
   assert a[1]["reward_std"] > 0 and a[2]["update_norm"] > 0
-  m1, _, _ = run_setup.restore_policy(str(single))
-  m2, _, _ = run_setup.restore_policy(str(multi))
+  m1, _, _ = workdir_lib.restore_policy(str(single))
+  m2, _, _ = workdir_lib.restore_policy(str(multi))
   assert tu.max_abs_diff(tu.host_params(nnx.state(m1)),
                          tu.host_params(nnx.state(m2))) < 1e-6

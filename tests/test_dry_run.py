@@ -17,7 +17,8 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from ba_jax import dry_run
+from ba_jax.scaling import compile as compile_lib
+from ba_jax.scaling import report as report_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STATE_COPIES = 3  # parameters + AdamW mu + nu, all in param_dtype
@@ -34,7 +35,7 @@ def load(spec: str):
 
 @pytest.fixture(scope="module")
 def tiny_report():
-  return dry_run.dry_run(load("configs/tiny.py"))
+  return compile_lib.dry_run(load("configs/tiny.py"))
 
 
 def _batch_bytes_per_device(report) -> int:
@@ -80,7 +81,7 @@ def test_tiny_flops_match_the_analytic_estimate(tiny_report):
 def test_one_update_matches_the_whole_step(tiny_report):
   """The whole step scans its updates, so XLA counts one update in both
   programs; one_update only adds the rest of the batch to the arguments."""
-  one = dry_run.dry_run(load("configs/tiny.py"), sample=False,
+  one = compile_lib.dry_run(load("configs/tiny.py"), sample=False,
                         one_update=True)
   full = tiny_report["train_step"]
   assert one["train_step"]["updates_compiled"] == 1
@@ -94,7 +95,7 @@ def test_one_update_matches_the_whole_step(tiny_report):
 def test_recompute_and_kl_compile_the_scoring_program():
   config = load("configs/tiny.py")
   config.rl.old_logp, config.loss.kl_coef = "recompute", 0.1
-  r = dry_run.dry_run(config, one_update=True)
+  r = compile_lib.dry_run(config, one_update=True)
   score = r["score"]
   assert score["memory"]["argument"] > 4 * r["model"]["params"]
   assert score["memory"]["temp"] > 0
@@ -107,7 +108,7 @@ def test_recompute_and_kl_compile_the_scoring_program():
 def test_mesh_override_shards_the_state():
   config = load("configs/tiny.py")
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
-  r = dry_run.dry_run(config, sample=False, one_update=True)
+  r = compile_lib.dry_run(config, sample=False, one_update=True)
   assert r["batch_shards"] == 4
   state = STATE_COPIES * 4 * r["model"]["params"]
   alias = r["train_step"]["memory"]["alias"]
@@ -119,15 +120,15 @@ def test_bad_config_errors_name_the_value():
   config = load("configs/tiny.py")
   config.mesh.fsdp = 3
   with pytest.raises(ValueError, match="fsdp"):
-    dry_run.dry_run(config, sample=False)
+    compile_lib.dry_run(config, sample=False)
   config = load("configs/tiny.py")  # the trainer's own checks
   config.rl.max_new_tokens = 8
   with pytest.raises(ValueError, match="rl.max_new_tokens=8"):
-    dry_run.dry_run(config, sample=False)
+    compile_lib.dry_run(config, sample=False)
   config = load("configs/tiny.py")
   config.model.unknown_field = 1
   with pytest.raises(ValueError, match="unknown_field"):
-    dry_run.dry_run(config, sample=False)
+    compile_lib.dry_run(config, sample=False)
 
 
 @pytest.mark.slow
@@ -142,7 +143,7 @@ def test_7b_config_compiles_without_its_weights():
   config.rl.prompts_per_step, config.rl.group_size = 4, 2
   config.rl.num_minibatches, config.rl.num_microbatches = 1, 1
   live_before = sum(x.nbytes for x in jax.live_arrays())
-  r = dry_run.dry_run(config, sample=False)
+  r = compile_lib.dry_run(config, sample=False)
   params = r["model"]["params"]
   assert abs(params / 7.6e9 - 1) < 0.03
   weight_bytes = 2 * params
@@ -181,15 +182,15 @@ def test_command_line(tmp_path):
 def test_report_says_per_tpu_slice_whether_the_peak_fits(tiny_report):
   """One line per named slice and program, judged against the chip's HBM;
   a peak over it is reported as not fitting."""
-  text = dry_run.format_report(tiny_report)
-  for chip in dry_run.TPU_HBM_GIB:
+  text = report_lib.format_report(tiny_report)
+  for chip in compile_lib.TPU_HBM_GIB:
     line = next(l for l in text.splitlines() if l.strip().startswith(
         f"{chip}-8:"))
     assert "train_step fits" in line and "sample fits" in line
-  assert dry_run.ESTIMATE_NOTE in text
+  assert compile_lib.ESTIMATE_NOTE in text
   big = json.loads(json.dumps(tiny_report))
   big["sample"]["memory"]["peak"] = 20 * 2**30
-  text = dry_run.format_report(big)
+  text = report_lib.format_report(big)
   assert "v5e-8: train_step fits" in text
   assert "sample does NOT fit (20 of 16 GiB)" in text
   assert "v5p-8: train_step fits" in text and "sample fits (20 of 95" in text
@@ -199,15 +200,15 @@ def test_dry_run_compiles_the_step_with_activation_constraints():
   """The dry run compiles the trainer's step as the trainer jits it: with
   the mesh's activation constraints, whose sharded residual stream leaves
   fewer temporaries per device than the same step without them."""
-  from ba_jax import train_step as ts
+  from ba_jax.update import train_step as ts
   config = load("configs/tiny.py")
   config.mesh.data, config.mesh.fsdp = 2, 4
-  on = dry_run.dry_run(config, sample=False)["train_step"]["memory"]
+  on = compile_lib.dry_run(config, sample=False)["train_step"]["memory"]
   original = ts.jit_train_step
   try:
     ts.jit_train_step = lambda **kw: original(
         **{**kw, "mesh": None, "rules": None})
-    off = dry_run.dry_run(config, sample=False)["train_step"]["memory"]
+    off = compile_lib.dry_run(config, sample=False)["train_step"]["memory"]
   finally:
     ts.jit_train_step = original
   assert on["temp"] < off["temp"], (on["temp"], off["temp"])
@@ -298,9 +299,11 @@ def _slot_bytes(c, length: int) -> int:
 
 
 def test_kv_cache_budget_sets_the_slots():
-  from ba_jax import engine, kv_cache, run_setup
+  from ba_jax.generation import engine
+  from ba_jax.policy import kv_cache
+  from ba_jax.run import setup as setup_lib
   length = engine.cache_length(16, 32)  # tiny: 16-token prompts, 32 new
-  setup = run_setup.make_setup(_slot_config(), abstract=True)
+  setup = setup_lib.make_setup(_slot_config(), abstract=True)
   c = setup.model_config
   per_slot = _slot_bytes(c, length)
   assert kv_cache.bytes_per_device(c, 4, length, mesh=setup.mesh,
@@ -309,17 +312,17 @@ def test_kv_cache_budget_sets_the_slots():
   assert kv_cache.cache_bytes(c, 4, length) == 8 * (per_slot - 4 * length) + 16 * length
   assert setup.rollout_cfg.max_slots == 0  # the default: every row at once
   gib = 10.5 * per_slot / 2**30
-  setup = run_setup.make_setup(_slot_config(kv_cache_gib=gib), abstract=True)
+  setup = setup_lib.make_setup(_slot_config(kv_cache_gib=gib), abstract=True)
   assert setup.rollout_cfg.max_slots == 10 * 4  # 10 per device, 4 batch shards
   # Both keys: max_slots is used when it fits the budget, else an error.
-  setup = run_setup.make_setup(_slot_config(kv_cache_gib=gib, max_slots=40), abstract=True)
+  setup = setup_lib.make_setup(_slot_config(kv_cache_gib=gib, max_slots=40), abstract=True)
   assert setup.rollout_cfg.max_slots == 40
   with pytest.raises(ValueError, match=r"rl.max_slots=44 .* over rl.kv_cache_gib"):
-    run_setup.make_setup(_slot_config(kv_cache_gib=gib, max_slots=44), abstract=True)
+    setup_lib.make_setup(_slot_config(kv_cache_gib=gib, max_slots=44), abstract=True)
   with pytest.raises(ValueError, match=r"rl.kv_cache_gib=.*holds no slot"):
-    run_setup.make_setup(_slot_config(kv_cache_gib=0.5 * per_slot / 2**30), abstract=True)
+    setup_lib.make_setup(_slot_config(kv_cache_gib=0.5 * per_slot / 2**30), abstract=True)
   with pytest.raises(ValueError, match=r"rl.kv_cache_gib=-1.0: expected finite and >= 0"):
-    run_setup.make_setup(_slot_config(kv_cache_gib=-1.0), abstract=True)
+    setup_lib.make_setup(_slot_config(kv_cache_gib=-1.0), abstract=True)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -330,7 +333,7 @@ def test_dry_run_reports_the_engine_and_the_slots_that_fit(monkeypatch, dtype):
   slot count peaks at. A bfloat16 cache compiles as float32 on XLA:CPU
   (which writes bfloat16 through float32 copies); the estimate swaps it
   back."""
-  from ba_jax import engine
+  from ba_jax.generation import engine
   length = engine.cache_length(16, 32)
   per_slot = _slot_bytes(load("configs/tiny.py").model, length)  # float32
   compiled_per_slot = per_slot
@@ -338,7 +341,7 @@ def test_dry_run_reports_the_engine_and_the_slots_that_fit(monkeypatch, dtype):
     per_slot -= (per_slot - 4 * length) // 2  # keys and values halve
   gib = 16.5 * per_slot / 2**30
   config = _slot_config(kv_cache_gib=gib)
-  r = dry_run.dry_run(config if dtype == "float32" else _bf16(config), train=False)
+  r = compile_lib.dry_run(config if dtype == "float32" else _bf16(config), train=False)
   assert "sample" not in r and "train_step" not in r
   e = r["engine"]
   assert e["slots"] == 64 and e["slot_shards"] == 4 and e["slots_per_device"] == 16
@@ -350,22 +353,22 @@ def test_dry_run_reports_the_engine_and_the_slots_that_fit(monkeypatch, dtype):
   assert e["accelerator_peak"] == e["memory"]["peak"] - 16 * (compiled_per_slot - per_slot)
   assert e["memory"]["temp"] > e["compiled_cache_bytes_per_device"]  # the cache lives in the program
   assert e["memory"]["argument"] >= 4 * r["model"]["params"] // 8  # the sharded parameters
-  assert set(e["slots_that_fit"]) == set(dry_run.TPU_HBM_GIB)
+  assert set(e["slots_that_fit"]) == set(compile_lib.TPU_HBM_GIB)
   assert e["slots_that_fit"]["v5e"] == 512 // 4  # capped at the rows per device
-  text = dry_run.format_report(r)
+  text = report_lib.format_report(r)
   assert "engine: 64 decode slots (16 per device on 4 batch shards)" in text
   assert "v5e-8 (16 GiB): 128 per device = 512 slots on the mesh" in text
   # Twice the slots: the compiled peak grows by the compiled cache's bytes.
   config = _slot_config(max_slots=128)
-  r2 = dry_run.dry_run(config if dtype == "float32" else _bf16(config), train=False)["engine"]
+  r2 = compile_lib.dry_run(config if dtype == "float32" else _bf16(config), train=False)["engine"]
   grown = r2["memory"]["peak"] - e["memory"]["peak"]
   assert abs(grown / (16 * compiled_per_slot) - 1) < 0.05, (grown, 16 * compiled_per_slot)
   # The AdamW moments stay on the devices while the trainer samples
   # (two float32 copies of the parameters, split 8 ways but the norms).
   assert 8 * r["model"]["params"] / 8 < e["resident_bytes_per_device"] < 8 * r["model"]["params"] / 2
   hbm = r2["accelerator_peak"] + e["resident_bytes_per_device"]
-  monkeypatch.setattr(dry_run, "TPU_HBM_GIB", {"x": hbm / 2**30})
-  fit = dry_run.slots_that_fit(e, rows_per_device=10**9)["x"]
+  monkeypatch.setattr(compile_lib, "TPU_HBM_GIB", {"x": hbm / 2**30})
+  fit = compile_lib.slots_that_fit(e, rows_per_device=10**9)["x"]
   assert abs(fit - 32) <= 1, fit
 
 

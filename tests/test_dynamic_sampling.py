@@ -3,7 +3,8 @@ groups are filtered on their final rewards (after the soft overlong penalty)."""
 import numpy as np
 import pytest
 
-from ba_jax import rollout, sampler
+from ba_jax.run import rollout
+from ba_jax.generation import sampler
 
 G, T = 4, 12
 

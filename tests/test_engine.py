@@ -1,4 +1,4 @@
-"""ba_jax.engine: continuous batching through a bounded KV cache gives the static sampler's samples."""
+"""ba_jax.generation.engine: continuous batching through a bounded KV cache gives the static sampler's samples."""
 import os
 import pathlib
 import socket
@@ -13,8 +13,13 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from ba_jax import decoding, engine, hf, kv_cache, sampler, scoring
-from ba_jax import sharding as sharding_lib
+from ba_jax.generation import decoding
+from ba_jax.generation import engine
+from ba_jax.policy import hf
+from ba_jax.policy import kv_cache
+from ba_jax.generation import sampler
+from ba_jax.policy import scoring
+from ba_jax.policy import sharding as sharding_lib
 from model_utils import EOS_ID, PAD_ID, left_padded_batch, save_tiny_model
 
 # Decode-step and full-forward logits differ by float32 rounding (~1e-6 here);

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from ba_jax import data, eval_lib
+from ba_jax.tasks import data
+from ba_jax.run import eval_lib
 
 EVAL_DIR = pathlib.Path(__file__).parent / "fixtures" / "eval"
 
@@ -123,7 +124,7 @@ def test_evaluation_through_the_engine_gives_the_same_samples(tmp_path, monkeypa
   """`max_slots` (the CLI's --max_slots) sends the evaluator's sampling through the
   continuous-batching engine: its slots, not batch_size x k rows, and the same responses."""
   import model_utils
-  from ba_jax import engine
+  from ba_jax.generation import engine
   model_dir = model_utils.save_tiny_model("qwen2", tmp_path / "model")
   slots, real = [], engine.engine_jit
   monkeypatch.setattr(engine, "engine_jit", lambda *a, **k: slots.append(k["cfg"].slots) or real(*a, **k))
@@ -147,7 +148,7 @@ def test_cli_on_a_workdir_the_trainer_wrote(tmp_path):
   """`--model=WORKDIR` on a real trainer workdir (its own config.json does
   not make it a Hugging Face directory): the trained policy is evaluated."""
   import trainer_utils as tu
-  from ba_jax import trainer
+  from ba_jax.run import trainer
   workdir = tmp_path / "run"
   config = tu.smoke_config(**{"sft.steps": 0, "rl.steps": 1, "rl.num_minibatches": 1,
                               "log.tensorboard": False, "eval.num_problems": 8,

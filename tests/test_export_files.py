@@ -2,7 +2,7 @@
 import os
 import stat
 
-from ba_jax import hf
+from ba_jax.policy import hf
 from model_utils import save_tiny_model
 
 

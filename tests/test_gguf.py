@@ -16,7 +16,8 @@ import torch
 from flax import nnx
 from safetensors.numpy import load_file
 
-from ba_jax import convert_gguf, hf
+from ba_jax import convert_gguf
+from ba_jax.policy import hf
 from model_utils import CHAT_TEMPLATE, left_padded_batch, make_hf_model, torch_logits
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # unk, bos, eos (and pad), as in SmolLM2

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ba_jax import hf
+from ba_jax.policy import hf
 from model_utils import KINDS, left_padded_batch, make_tokenizer, save_tiny_model, torch_logits
 
 

@@ -1,10 +1,13 @@
-"""The package's import structure: layers, bottom first, and no cycle.
+"""The package's import structure: subpackages along the real import graph.
 
-A module may import modules of its own layer or of lower ones, never of a
-higher one; within a layer the imports must not form a cycle. Every
-``ba_jax/*.py`` module sits in exactly one layer, and README.md's Layout
-section lists the same layers (one line each, same modules, same order).
-Lazy imports inside functions count too.
+Two columns meet only in ``run``: the model and generation column (``loss``,
+``policy``, ``generation``, ``update``) and the data and reward column
+(``sandboxing``, ``tasks``); neither imports the other. ``config`` (the
+schema) sits under both; ``scaling`` (the dry run) and the command modules at
+the top (``ba_jax/*.py``) may use anything below them. Each package may import
+only the packages ``ALLOWED`` names (and itself), lazy imports included, and no
+module-level import cycle exists. README.md's Layout section names every
+package and module.
 """
 import ast
 import pathlib
@@ -13,47 +16,62 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ba_jax"
 
-LAYERS = (
-    ("sandboxed child processes", ("sandbox_launcher", "sandbox_harness")),
-    ("the path layer", ("paths",)),
-    ("mesh and logical axes", ("sharding",)),
-    ("the loss", ("aggregation", "advantages", "losses", "microbatch")),
-    ("the policy", ("attention", "kv_cache", "model", "hf",
-                    "scoring", "draw", "decoding", "engine", "sampler")),
-    ("the update", ("train_step",)),
-    ("data, rewards, tasks", ("sandbox", "reward_pool", "rewards", "data",
-                              "code_data", "synthetic", "chains",
-                              "dataset_task", "reasoning_gym_task", "tasks")),
-    ("a run's pieces", ("checkpointing", "metrics", "resume", "rollout",
-                        "sft")),
-    ("the run builder", ("run_setup",)),
-    ("what a command does", ("trainer", "export", "convert_gguf", "eval_lib",
-                             "dry_run")),
-    ("command lines", ("train", "evaluate")),
-)
-LAYER_OF = {m: i for i, (_, modules) in enumerate(LAYERS) for m in modules}
+MODEL_COLUMN = ("loss", "policy", "generation", "update")
+DATA_COLUMN = ("sandboxing", "tasks")
+# package -> the packages it may import (besides itself).
+ALLOWED = {
+    "config": set(),
+    "loss": {"config"},
+    "policy": {"config"},
+    "generation": {"config", "policy"},
+    "update": {"config", "loss", "policy"},
+    "sandboxing": {"config"},
+    "tasks": {"config", "sandboxing"},
+    "run": {"config", "loss", "policy", "generation", "update", "sandboxing",
+            "tasks"},
+    "scaling": {"config", "policy", "generation", "update", "run"},
+}
+COMMANDS = ("train", "evaluate", "export", "dry_run", "convert_gguf")
+
+
+def module_name(path: pathlib.Path) -> str:
+  """``ba_jax/run/trainer.py`` -> ``run.trainer``; ``ba_jax/train.py`` ->
+  ``train``."""
+  parts = path.relative_to(PACKAGE).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imports_of(path: pathlib.Path) -> set[str]:
-  """The ba_jax modules ``path`` imports, wherever the import statement is."""
+  """The ba_jax modules ``path`` imports (as ``module_name`` gives them),
+  wherever the import statement is."""
+  modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
   found = set()
   for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.ImportFrom) and node.level:
+      raise AssertionError(f"{path}: relative import; use ba_jax.")
     if isinstance(node, ast.Import):
-      found.update(a.name.split(".")[1] for a in node.names
-                   if a.name.startswith("ba_jax."))
-    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-      if node.module == "ba_jax":
-        found.update(a.name for a in node.names)
-      elif node.module.startswith("ba_jax."):
-        found.add(node.module.split(".")[1])
-    elif isinstance(node, ast.ImportFrom) and node.level:
-      raise AssertionError(f"{path.name}: relative import; use ba_jax.")
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+    else:
+      continue
+    for name in names:
+      if name.startswith("ba_jax."):
+        name = name[len("ba_jax."):]
+        while name and name not in modules:
+          name = name.rpartition(".")[0]
+        if name:
+          found.add(name)
   return found
 
 
 def graph() -> dict[str, set[str]]:
-  return {p.stem: imports_of(p) for p in sorted(PACKAGE.glob("*.py"))
-          if p.stem != "__init__"}
+  return {module_name(p): imports_of(p) - {module_name(p)}
+          for p in sorted(PACKAGE.rglob("*.py")) if module_name(p)}
+
+
+def package_of(module: str) -> str:
+  return module.split(".")[0]
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -83,19 +101,48 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
   return None
 
 
-def test_every_module_has_a_layer():
-  modules = set(graph())
-  assert not modules - set(LAYER_OF), (
-      f"place {sorted(modules - set(LAYER_OF))} in LAYERS (and README)")
-  assert not set(LAYER_OF) - modules, sorted(set(LAYER_OF) - modules)
+def test_every_module_is_in_a_package_or_a_command():
+  top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+  assert top == sorted(COMMANDS), (
+      "ba_jax/*.py holds only the command modules; move the logic of "
+      f"{sorted(set(top) - set(COMMANDS))} into a package")
+  packages = sorted(p.name for p in PACKAGE.iterdir()
+                    if (p / "__init__.py").is_file())
+  assert packages == sorted(ALLOWED), (packages, sorted(ALLOWED))
 
 
-def test_no_module_imports_a_higher_layer():
-  upward = [f"{m} ({LAYERS[LAYER_OF[m]][0]}) imports {d} "
-            f"({LAYERS[LAYER_OF[d]][0]})"
-            for m, deps in graph().items() for d in sorted(deps)
-            if LAYER_OF[d] > LAYER_OF[m]]
-  assert not upward, upward
+def test_each_package_says_what_it_owns_and_may_import():
+  for name, allowed in ALLOWED.items():
+    doc = ast.get_docstring(ast.parse(
+        (PACKAGE / name / "__init__.py").read_text())) or ""
+    assert len(doc.split()) >= 12, f"ba_jax/{name}/__init__.py: no docstring"
+    said = set(re.findall(r"May import: ([^.]*)\.", doc.replace("\n", " "))
+               [0].replace(",", " ").replace("nothing", "").split()
+               ) if "May import:" in doc else None
+    assert said == allowed, (
+        f"ba_jax/{name}/__init__.py should end 'May import: "
+        f"{', '.join(sorted(allowed)) or 'nothing'}.' (says {said})")
+
+
+def test_packages_import_only_what_they_may():
+  wrong = []
+  for module, deps in graph().items():
+    if module in COMMANDS:
+      assert not deps & set(COMMANDS), (module, deps & set(COMMANDS))
+      continue
+    pkg = package_of(module)
+    for dep in sorted(deps):
+      if package_of(dep) in COMMANDS:
+        wrong.append(f"{module} imports the command {dep}")
+      elif package_of(dep) != pkg and package_of(dep) not in ALLOWED[pkg]:
+        wrong.append(f"{module} imports {dep}")
+  assert not wrong, wrong
+
+
+def test_the_columns_never_import_each_other():
+  for a, b in ((MODEL_COLUMN, DATA_COLUMN), (DATA_COLUMN, MODEL_COLUMN)):
+    for pkg in a:
+      assert not ALLOWED[pkg] & set(b), (pkg, ALLOWED[pkg] & set(b))
 
 
 def test_no_import_cycle():
@@ -106,17 +153,19 @@ def test_the_checks_catch_what_they_look_for():
   assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c",
                                                              "a"]
   assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+  assert package_of("run.trainer") == "run"
 
 
-def test_readme_lists_the_layers():
+def test_readme_draws_every_package():
   text = (ROOT / "README.md").read_text()
   section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
-  rows = [re.findall(r"(\w+)\.py", line) for line in section.splitlines()]
-  for name, modules in LAYERS:
-    assert list(modules) in rows, (
-        f"README's Layout lacks the layer {name!r}: a line naming "
-        f"{' '.join(m + '.py' for m in modules)}")
+  for name in ALLOWED:
+    modules = sorted(p.stem for p in (PACKAGE / name).glob("*.py")
+                     if p.stem != "__init__")
+    assert f"{name}/" in section, f"README's Layout lacks the package {name}/"
+    missing = [m for m in modules if not re.search(rf"\b{m}\b", section)]
+    assert not missing, f"README's Layout lacks {name}/{missing}"
 
 
 def test_checkpointing_knows_nothing_of_ours_but_the_path_layer():
-  assert imports_of(PACKAGE / "checkpointing.py") == {"paths"}
+  assert imports_of(PACKAGE / "run" / "checkpointing.py") == {"run.paths"}

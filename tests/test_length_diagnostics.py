@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ba_jax import aggregation as agg
+from ba_jax.loss import aggregation as agg
 
 
 def _mask(lengths, width):

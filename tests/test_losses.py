@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ba_jax import losses
+from ba_jax.loss import losses
 
 
 def test_surrogate_clip_higher_and_dual_clip():

@@ -15,7 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ba_jax import attention, hf, sampler, scoring
+from ba_jax.policy import attention
+from ba_jax.policy import hf
+from ba_jax.generation import sampler
+from ba_jax.policy import scoring
 from model_utils import KINDS, PAD_ID, left_padded_batch, save_tiny_model
 
 DTYPES = ("bfloat16", "float16")

@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from ba_jax import aggregation as agg
-from ba_jax import metrics
+from ba_jax.loss import aggregation as agg
+from ba_jax.run import metrics
 
 
 def _mask(lengths, width=8):

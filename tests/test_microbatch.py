@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ba_jax import losses, microbatch
-from ba_jax.aggregation import MODES
+from ba_jax.loss import losses
+from ba_jax.update import microbatch
+from ba_jax.loss.aggregation import MODES
 
 N, T, D, G = 8, 6, 5, 4
 

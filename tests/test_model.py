@@ -9,9 +9,9 @@ import pytest
 import torch
 from flax import nnx
 
-from ba_jax import hf
-from ba_jax import model as model_lib
-from ba_jax.model import Decoder, ModelConfig, init_cache
+from ba_jax.policy import hf
+from ba_jax.policy import model as model_lib
+from ba_jax.policy.model import Decoder, ModelConfig, init_cache
 from model_utils import KINDS, left_padded_batch, make_hf_model, save_tiny_model, torch_logits
 
 # float32 logits of magnitude ~5 through 2 layers: summation-order differences are ~1e-6.

@@ -8,9 +8,11 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
-from ba_jax import aggregation
-from ba_jax import model as model_lib
-from ba_jax import run_setup
+from ba_jax.loss import aggregation
+from ba_jax.policy import model as model_lib
+from ba_jax.run import checks
+from ba_jax.run import setup as setup_lib
+from ba_jax.run import workdir as workdir_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # config file -> (parameters the model card states, model_type)
@@ -56,7 +58,7 @@ def test_loads_locked_and_rejects_a_typo(path):
 def test_every_aggregation_variant(path, mode):
   config = load(path, f"agg={mode}")
   assert config.loss.aggregation == mode
-  assert run_setup.step_config(config).aggregation == mode
+  assert checks.step_config(config).aggregation == mode
 
 
 def test_unknown_variant_is_named(path):
@@ -106,7 +108,7 @@ def test_recipe(path):
   assert c.init_from and c.task.path  # placeholders the user replaces
   # 512 prompts x 16 responses split into whole groups, micro-batches and
   # the 16 batch shards of the pod mesh on 64 devices.
-  run_setup.step_config(c).check_batch(512 * 16, data_shards=16)
+  checks.step_config(c).check_batch(512 * 16, data_shards=16)
   # Rollouts through the engine: a KV-cache budget per device that leaves
   # room on a 16 GiB v5e chip and holds fewer slots than the 512 rows of
   # each of the 16 batch shards (the dry run sizes it; see the config).
@@ -189,7 +191,7 @@ def test_paper_config_trains_a_step_from_any_llama_checkpoint(
   """configs/qwen3_1p7b_polaris.py on a tiny Llama checkpoint, with only
   init_from, the data paths and CPU_SHRINK set: the architecture comes from
   the checkpoint, the weights in the variant's bfloat16 param_dtype."""
-  from ba_jax import trainer
+  from ba_jax.run import trainer
   overrides = _paper_overrides(llama_checkpoint)
   config = load("configs/qwen3_1p7b_polaris.py", "param_dtype=bfloat16",
                 overrides=overrides)
@@ -203,10 +205,10 @@ def test_paper_config_trains_a_step_from_any_llama_checkpoint(
   leaves = jax.tree.leaves(out["state"].params)
   assert {x.dtype for x in leaves} == {jax.numpy.dtype("bfloat16")}
   # The run's files describe the model that ran, so export needs only them.
-  model, model_config, _ = run_setup.restore_policy(str(tmp_path))
+  model, model_config, _ = workdir_lib.restore_policy(str(tmp_path))
   assert (model_config.model_type, model_config.hidden_size,
           model_config.num_kv_heads) == ("llama", 64, 1)
-  assert run_setup.load_run_config(str(tmp_path)).model.hidden_size == 64
+  assert workdir_lib.load_run_config(str(tmp_path)).model.hidden_size == 64
   restored = jax.tree.leaves(nnx.state(model))
   assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
              for a, b in zip(restored, leaves))
@@ -219,11 +221,11 @@ def test_init_from_loads_in_param_dtype(llama_checkpoint):
   config = load("configs/qwen3_1p7b_polaris.py", "param_dtype=bfloat16",
                 overrides=_paper_overrides(llama_checkpoint,
                                            "--config.model.logprob_chunk=64"))
-  setup = run_setup.make_setup(config)
+  setup = setup_lib.make_setup(config)
   assert setup.model_config.param_dtype == "bfloat16"
   assert setup.model_config.logprob_chunk == 64  # a runtime field
-  params = run_setup.init_params(setup)
-  from ba_jax import hf
+  params = setup_lib.init_params(setup)
+  from ba_jax.policy import hf
   (spec,) = [w for w in hf.weight_specs(setup.model_config)
              if w.hf_name == "model.embed_tokens.weight"]
   embed = nnx.to_pure_dict(params)
@@ -248,11 +250,11 @@ def test_an_explicit_architecture_override_must_match_the_checkpoint(
   config = load("configs/qwen3_1p7b_polaris.py", overrides=overrides)
   with pytest.raises(ValueError, match=r"model.hidden_size=2048 .* "
                      r"hidden_size=64"):
-    run_setup.make_setup(config, explicit={"model.hidden_size"})
+    setup_lib.make_setup(config, explicit={"model.hidden_size"})
   # Set to the checkpoint's own value, it is no conflict.
   config = load("configs/qwen3_1p7b_polaris.py", overrides=_paper_overrides(
       llama_checkpoint, "--config.model.hidden_size=64"))
-  setup = run_setup.make_setup(config, explicit={"model.hidden_size"})
+  setup = setup_lib.make_setup(config, explicit={"model.hidden_size"})
   assert setup.model_config.model_type == "llama"
   assert setup.config.model.num_layers == 2  # the model section as built
 
@@ -278,7 +280,7 @@ def test_runlocal_variant_trains_on_this_cpu(config_file, tmp_path):
   """``:runlocal``: a tiny random model of the config's own family, no
   init_from, the bundled synthetic task; two RL steps (warm-up shortened
   here only to keep the test fast) with the recipe's loss and shaping."""
-  from ba_jax import trainer
+  from ba_jax.run import trainer
   config = load(config_file, "runlocal", overrides=["--config.sft.steps=2"])
   family = load(config_file).model
   assert config.model.model_type == family.model_type

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import reasoning_gym
 
-from ba_jax import reasoning_gym_task as rgt
-from ba_jax import tasks
+from ba_jax.tasks import reasoning_gym_task as rgt
+from ba_jax.tasks import registry as tasks
 from model_utils import make_tokenizer, save_tiny_model
 from trainer_utils import load_config
 
@@ -143,7 +143,7 @@ def test_bad_settings_are_one_line_naming_them(fields, message):
 
 @pytest.mark.slow
 def test_runlocal_runs_the_real_configs_code_path(tmp_path):
-  from ba_jax import trainer
+  from ba_jax.run import trainer
   ckpt = save_tiny_model("llama", tmp_path / "model")
   c = load_config("runlocal", CONFIG)
   c.init_from = str(ckpt)

@@ -9,8 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ba_jax import checkpointing, export, metrics as metrics_lib, resume
-from ba_jax import trainer
+from ba_jax.run import checkpointing
+from ba_jax import export
+from ba_jax.run import metrics as metrics_lib
+from ba_jax.run import resume
+from ba_jax.run import trainer
 import trainer_utils as tu
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import rewards_utils
-from ba_jax import reward_pool, rewards
+from ba_jax.tasks import reward_pool
+from ba_jax.tasks import rewards
 
 # (response under the "answer" rule, ground truth) pairs that must be judged equal.
 EQUIVALENT = [

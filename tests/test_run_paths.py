@@ -1,4 +1,4 @@
-"""A run on a non-local filesystem: every file through ``ba_jax.paths``."""
+"""A run on a non-local filesystem: every file through ``ba_jax.run.paths``."""
 import os
 import pathlib
 import types
@@ -6,7 +6,11 @@ import types
 import pytest
 from etils import epath
 
-from ba_jax import checkpointing, eval_lib, export, paths, trainer
+from ba_jax.run import checkpointing
+from ba_jax.run import eval_lib
+from ba_jax import export
+from ba_jax.run import paths
+from ba_jax.run import trainer
 import fake_gcs
 import trainer_utils as tu
 

@@ -1,4 +1,4 @@
-"""ba_jax.sampler: greedy parity with transformers, sampling statistics, stopping, sharding."""
+"""ba_jax.generation.sampler: greedy parity with transformers, sampling statistics, stopping, sharding."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,8 +7,10 @@ import scipy.stats
 import torch
 from transformers import AutoModelForCausalLM
 
-from ba_jax import hf, sampler, scoring
-from ba_jax import sharding as sharding_lib
+from ba_jax.policy import hf
+from ba_jax.generation import sampler
+from ba_jax.policy import scoring
+from ba_jax.policy import sharding as sharding_lib
 from model_utils import EOS_ID, PAD_ID, left_padded_batch, save_tiny_model
 
 # Test-wide false-alarm rate of each chi-square test: a correct sampler fails it

@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from ba_jax import rewards, sandbox
+from ba_jax.tasks import rewards
+from ba_jax.sandboxing import sandbox
 
 LIMITS = sandbox.SandboxLimits(wall_time_s=2.0, cpu_time_s=2, memory_mb=256, max_processes=8)
 SLACK_S = 8.0  # process start-up and cleanup on a loaded 2-core machine

@@ -12,7 +12,8 @@ import time
 import pytest
 
 import sandbox_driver
-from ba_jax import rewards, sandbox
+from ba_jax.tasks import rewards
+from ba_jax.sandboxing import sandbox
 
 NOBODY = 65534
 IS_ROOT = os.geteuid() == 0
@@ -26,11 +27,12 @@ PACKAGE = os.path.dirname(os.path.abspath(sandbox.__file__))
 def shared_dir():
   """A world-readable copy of the sandbox and the driver, and a world-writable victim dir."""
   root = tempfile.mkdtemp(prefix="ba_jax_attack_")
-  os.makedirs(os.path.join(root, "ba_jax"))
-  open(os.path.join(root, "ba_jax", "__init__.py"), "w").close()
+  os.makedirs(os.path.join(root, "ba_jax", "sandboxing"))
+  for sub in ("ba_jax", os.path.join("ba_jax", "sandboxing")):
+    open(os.path.join(root, sub, "__init__.py"), "w").close()
   for name in ("sandbox.py", "sandbox_launcher.py", "sandbox_harness.py"):
     if os.path.exists(os.path.join(PACKAGE, name)):
-      shutil.copy(os.path.join(PACKAGE, name), os.path.join(root, "ba_jax", name))
+      shutil.copy(os.path.join(PACKAGE, name), os.path.join(root, "ba_jax", "sandboxing", name))
   shutil.copy(os.path.join(HERE, "sandbox_driver.py"), root)
   victim = os.path.join(root, "victim")
   os.makedirs(victim)
@@ -259,7 +261,7 @@ def test_a_kernel_without_user_namespaces_is_refused_with_the_reason(shared_dir)
       "open('/proc/self/gid_map', 'w').write('1000 0 1')\n"
       "open('/proc/sys/user/max_user_namespaces', 'w').write('0')\n"
       f"os.execv({python!r}, [{python!r}, '-I', '-c', sys.argv[1]])\n")
-  check = ("import sys\nsys.path.insert(0, %r)\nfrom ba_jax import sandbox\n"
+  check = ("import sys\nsys.path.insert(0, %r)\nfrom ba_jax.sandboxing import sandbox\n"
            "try:\n    sandbox.check_available()\nexcept sandbox.SandboxUnavailable as e:\n"
            "    print(e)\n" % shared_dir)
   done = subprocess.run([python, "-I", "-c", prelude, check], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""ba_jax.scoring: per-token log-probs and entropies against transformers."""
+"""ba_jax.policy.scoring: per-token log-probs and entropies against transformers."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +7,8 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from ba_jax import hf, scoring
+from ba_jax.policy import hf
+from ba_jax.policy import scoring
 from model_utils import PAD_ID, left_padded_batch, save_tiny_model
 
 # Our logits match transformers' to ~1e-5 in float32 on these tiny models; a

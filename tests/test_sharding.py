@@ -6,9 +6,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ba_jax import hf
-from ba_jax import sharding as sh
-from ba_jax.model import Decoder, ModelConfig
+from ba_jax.policy import hf
+from ba_jax.policy import sharding as sh
+from ba_jax.policy.model import Decoder, ModelConfig
 from model_utils import left_padded_batch, save_tiny_model
 
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from ba_jax import synthetic
+from ba_jax.tasks import synthetic
 
 
 def test_tokenizer_round_trips_and_reloads(tmp_path):

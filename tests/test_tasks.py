@@ -2,7 +2,11 @@
 import numpy as np
 import pytest
 
-from ba_jax import dataset_task, run_setup, sft, synthetic, tasks
+from ba_jax.tasks import dataset_task
+from ba_jax.run import setup as setup_lib
+from ba_jax.update import sft
+from ba_jax.tasks import synthetic
+from ba_jax.tasks import registry as tasks
 import trainer_utils as tu
 
 PROTOCOL = ("problems", "warmup_examples", "encode_prompts",
@@ -54,7 +58,7 @@ def test_a_new_task_is_a_class_and_a_register_call():
   tasks.register(Shorter)
   try:
     config = tu.smoke_config(**{"task.name": "synthetic_sum_no_gap"})
-    setup = run_setup.make_setup(config)
+    setup = setup_lib.make_setup(config)
     assert isinstance(setup.task, Shorter)
     with pytest.raises(ValueError, match="already registered"):
       tasks.register(synthetic.SyntheticTask, "synthetic_sum_no_gap")
@@ -66,10 +70,10 @@ def test_task_specific_checks_come_from_the_task():
   need = synthetic.SyntheticTask.max_warmup_response_tokens(
       tu.smoke_config().task)
   with pytest.raises(ValueError, match=f"below the {need} tokens"):
-    run_setup.make_setup(tu.smoke_config(**{"rl.max_new_tokens": need - 1}))
+    setup_lib.make_setup(tu.smoke_config(**{"rl.max_new_tokens": need - 1}))
   config = tu.smoke_config(**{"task.name": "polaris"})
   with pytest.raises(ValueError, match="has no warm-up data"):
-    run_setup.make_setup(config)
+    setup_lib.make_setup(config)
   config = tu.smoke_config(**{"task.name": "polaris", "sft.steps": 0})
   with pytest.raises(ValueError, match="needs init_from"):
-    run_setup.make_setup(config)
+    setup_lib.make_setup(config)

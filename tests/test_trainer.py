@@ -6,7 +6,10 @@ import re
 import numpy as np
 import pytest
 
-from ba_jax import metrics as metrics_lib, run_setup, trainer
+from ba_jax.run import metrics as metrics_lib
+from ba_jax.run import checks
+from ba_jax.run import setup as setup_lib
+from ba_jax.run import trainer
 import trainer_utils as tu
 
 
@@ -74,7 +77,7 @@ def test_bad_config_value_is_one_line_naming_it(tmp_path):
     ({"rl.overlong": "cut"}, "rl.overlong='cut'"),
     ({"mesh.fsdp": 3}, "does not divide"),
     ({"rl.max_new_tokens": 8}, "rl.max_new_tokens=8"),
-    # Every numeric range (run_setup._RANGES), named before any warm-up.
+    # Every numeric range (checks._RANGES), named before any warm-up.
     ({"optim.learning_rate": -1e-4}, r"optim.learning_rate=-0.0001: expected "
      r"finite and > 0"),
     ({"optim.learning_rate": float("nan")}, "optim.learning_rate=nan"),
@@ -116,18 +119,20 @@ def test_kv_cache_budget_runs_rollouts_and_eval_through_the_engine(tmp_path, mon
   rows on 8 devices) sends the step's rollout and the sampled evaluation
   (8 problems x 2) through the continuous-batching engine, with the config's
   prefill chunk and cache phases."""
-  from ba_jax import engine, kv_cache, sampler
+  from ba_jax.generation import engine
+  from ba_jax.policy import kv_cache
+  from ba_jax.generation import sampler
   config = tu.smoke_config(**{"sft.steps": 0, "rl.steps": 1, "log.tensorboard": False,
                               "checkpoint.every": 0, "rl.prefill_chunk": 4,
                               "rl.cache_phases": 2})
   calls, real = [], sampler.sample_groups
   monkeypatch.setattr(sampler, "sample_groups", lambda *a, **k: calls.append(k) or real(*a, **k))
-  setup = run_setup.make_setup(config)
+  setup = setup_lib.make_setup(config)
   length = engine.cache_length(sampler.bucket_length(config.task.max_prompt_len),
                                config.rl.max_new_tokens, config.rl.prefill_chunk)
   per_slot = kv_cache.cache_bytes(setup.model_config, 1, length)  # data-parallel: whole slots
   config.rl.kv_cache_gib = 1.5 * per_slot / 2**30
-  assert run_setup.make_setup(config).rollout_cfg.max_slots == 8
+  assert setup_lib.make_setup(config).rollout_cfg.max_slots == 8
   before = engine.trace_count()
   out = trainer.run(config, str(tmp_path))
   assert out["step"] == 1 and out["stopped"] is None
@@ -159,9 +164,9 @@ def test_non_finite_updates_in_a_row_stop_the_run(tmp_path):
   records = metrics_lib.read_metrics(str(tmp_path))
   assert [records[s]["nonfinite"] for s in (1, 2)] == [1.0, 1.0]
   assert int(out["state"].nonfinite) == out["step"]
-  from ba_jax import checkpointing
+  from ba_jax.run import checkpointing
   assert checkpointing.Checkpointer(str(tmp_path)).all_steps() == [0]
-  start = tu.host_params(run_setup.init_params(run_setup.make_setup(config)))
+  start = tu.host_params(setup_lib.init_params(setup_lib.make_setup(config)))
   assert tu.max_abs_diff(tu.host_params(out["state"]), start) == 0.0
 
 
@@ -180,7 +185,7 @@ def test_the_non_finite_guard_exits_with_status_3(tmp_path):
 def test_dataset_task_streams_formats_and_grades():
   """The dataset task behind the paper configs, on the bundled fixtures."""
   import ml_collections
-  from ba_jax import dataset_task
+  from ba_jax.tasks import dataset_task
   fixtures = os.path.join(tu.REPO, "tests", "fixtures")
   task_cfg = ml_collections.ConfigDict(dict(
       name="polaris", path=os.path.join(fixtures, "polaris.jsonl"),
@@ -224,7 +229,7 @@ def test_paper_config_task_sections_drive_the_dataset_task(tmp_path,
 
   import pyarrow as pa
   import pyarrow.parquet as pq
-  from ba_jax import dataset_task
+  from ba_jax.tasks import dataset_task
   fixtures = os.path.join(tu.REPO, "tests", "fixtures")
   spec = importlib.util.spec_from_file_location(
       "paper_config", os.path.join(tu.REPO, "configs", config_file))

@@ -5,7 +5,7 @@ untied head) is loaded into torch and into our Flax model. For one batch of
 fixed prompts, completions (mixed lengths, one masked out), advantages and old
 log-probs (perturbed so the clip acts), TRL's own `GRPOTrainer.compute_loss`
 (its `_compute_loss`, TRL 1.16) and a torch backward give the reference;
-`ba_jax.scoring.score_responses`, `ba_jax.losses.policy_loss` and `jax.grad`
+`ba_jax.policy.scoring.score_responses`, `ba_jax.loss.losses.policy_loss` and `jax.grad`
 give ours. Pairs: our `token` = TRL `dapo`, `sequence` = `grpo`, `dr_grpo` =
 `dr_grpo` (our `max_response_len` = TRL `max_completion_length`). Both use the
 same temperature (TRL divides the logits by `GRPOConfig.temperature` in its
@@ -66,8 +66,10 @@ import pytest
 import torch
 from flax import nnx
 
-from ba_jax import advantages as advantages_lib
-from ba_jax import hf, losses, scoring
+from ba_jax.loss import advantages as advantages_lib
+from ba_jax.policy import hf
+from ba_jax.loss import losses
+from ba_jax.policy import scoring
 from model_utils import EOS_ID, PAD_ID, make_hf_model, make_tokenizer
 
 GROUP_SIZE = 4

@@ -6,7 +6,7 @@ import sys
 import jax
 import numpy as np
 
-from ba_jax import model as model_lib
+from ba_jax.policy import model as model_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,0 +1,162 @@
+"""Per-token policy-gradient terms and the GRPO loss built from them.
+
+The surrogate, the KL penalty and the entropy bonus are per-token arrays
+[N, T]; ``ba_jax.loss.aggregation`` turns each into a scalar. The policy term uses
+the aggregation mode under study; the regularisers use their own mode
+(``reg_aggregation``, default ``token``) so that BA's zero weight on
+zero-advantage sequences never silently drops them (DESIGN.md section 1).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ba_jax.loss import aggregation as agg
+from ba_jax.loss.aggregation import check_option
+
+KL_TYPES = ("k1", "k2", "k3")
+
+
+def clipped_surrogate(logp, old_logp, advantages, *, eps_low: float,
+                      eps_high: float, dual_clip: float | None = None):
+  """PPO surrogate per token, with clip-higher and an optional dual clip.
+
+  ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` with
+  ``r = exp(logp - old_logp)``; with ``dual_clip = c`` (> 1) tokens of
+  negative-advantage sequences are also capped: ``l = min(l, -A c)``.
+
+  Returns:
+    (loss_NxT, ratio_NxT, low_clipped_NxT, high_clipped_NxT, dual_clipped_NxT)
+    where the three masks mark tokens whose gradient a clip has zeroed.
+  """
+  if dual_clip is not None and dual_clip <= 1.0:
+    raise ValueError(f"dual_clip must be > 1 (or None); got {dual_clip!r}.")
+  ratio = jnp.exp(logp - old_logp)
+  adv = advantages[:, None]
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+  loss = jnp.maximum(unclipped, clipped)
+  low_clipped = jnp.logical_and(adv < 0, ratio < 1.0 - eps_low)
+  high_clipped = jnp.logical_and(adv > 0, ratio > 1.0 + eps_high)
+  dual_clipped = jnp.zeros_like(low_clipped)
+  if dual_clip is not None:
+    cap = -adv * dual_clip
+    dual_clipped = jnp.logical_and(adv < 0, loss > cap)
+    loss = jnp.where(adv < 0, jnp.minimum(loss, cap), loss)
+  return loss, ratio, low_clipped, high_clipped, dual_clipped
+
+
+def kl_penalty(logp, ref_logp, kind: str = "k3"):
+  """Per-token estimate of KL(policy || reference) from sampled tokens.
+
+  k1: ``logp - ref``; k2: ``(logp - ref)^2 / 2``; k3 (low variance, >= 0):
+  ``exp(ref - logp) - (ref - logp) - 1``.
+  """
+  check_option("kl_type", kind, KL_TYPES)
+  log_ratio = logp - ref_logp
+  if kind == "k1":
+    return log_ratio
+  if kind == "k2":
+    return 0.5 * jnp.square(log_ratio)
+  return jnp.expm1(-log_ratio) + log_ratio
+
+
+def _masked_mean(x, mask):
+  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
+                aggregation: str, eps_low: float = 0.2,
+                eps_high: float = 0.2, dual_clip: float | None = None,
+                ref_logp=None, kl_coef: float = 0.0, kl_type: str = "k3",
+                entropy=None, entropy_coef: float = 0.0,
+                reg_aggregation: str = "token",
+                max_response_len: int | None = None,
+                ba_denominator: str = "group", ba_scope: str = "group",
+                weights=None, reg_weights=None):
+  """The GRPO loss and its metrics.
+
+  Args:
+    logp, old_logp: [N, T] log-probs of the response tokens under the current
+      and the behaviour policy.
+    advantages: [N]. mask: [N, T] response mask.
+    aggregation: the policy term's mode (static), see ``aggregation.MODES``.
+    ref_logp: [N, T] reference-policy log-probs, needed when ``kl_coef > 0``.
+    entropy: [N, T] policy entropy per position, needed when
+      ``entropy_coef > 0``; the bonus is subtracted from the loss.
+    reg_aggregation: the mode that aggregates the KL and entropy terms.
+    weights, reg_weights: weights precomputed on the whole mini-batch (for
+      micro-batching); computed here from ``mask``/``advantages`` when None.
+
+  Returns:
+    ``(loss, metrics)``. Metrics whose names start with ``w_`` or end with
+    ``_sum`` add over micro-batches; ``*_min``/``*_max`` take min/max; the
+    rest are means over this call's ``num_tokens`` response tokens.
+  """
+  check_option("aggregation mode", aggregation, agg.MODES)
+  check_option("reg_aggregation", reg_aggregation, agg.MODES)
+  if kl_coef and ref_logp is None:
+    raise ValueError(f"kl_coef={kl_coef} needs ref_logp; got None.")
+  if entropy_coef and entropy is None:
+    raise ValueError(f"entropy_coef={entropy_coef} needs entropy; got None.")
+  mask_NxT = jnp.asarray(mask).astype(jnp.float32)
+  advantages_N = jnp.asarray(advantages).astype(jnp.float32)
+  weight_options = dict(group_size=group_size,
+                        max_response_len=max_response_len,
+                        ba_denominator=ba_denominator, ba_scope=ba_scope)
+  if weights is None:
+    weights = agg.token_weights(mask_NxT, advantages_N, mode=aggregation,
+                                **weight_options)
+  need_reg = bool(kl_coef) or bool(entropy_coef)
+  if need_reg and reg_weights is None:
+    reg_weights = agg.token_weights(mask_NxT, advantages_N,
+                                    mode=reg_aggregation, **weight_options)
+
+  surrogate, ratio, low, high, dual = clipped_surrogate(
+      logp, old_logp, advantages_N, eps_low=eps_low, eps_high=eps_high,
+      dual_clip=dual_clip)
+  pg_loss = jnp.sum(weights * surrogate)
+  loss = pg_loss
+  metrics = {"pg_loss_sum": pg_loss}
+  if kl_coef:
+    kl = kl_penalty(logp, ref_logp, kl_type)
+    kl_loss = jnp.sum(reg_weights * kl)
+    loss = loss + kl_coef * kl_loss
+    metrics["kl_loss_sum"] = kl_loss
+  if ref_logp is not None:
+    metrics["kl_ref"] = _masked_mean(kl_penalty(logp, ref_logp, "k3"), mask_NxT)
+  if entropy_coef:
+    entropy_bonus = jnp.sum(reg_weights * entropy)
+    loss = loss - entropy_coef * entropy_bonus
+    metrics["entropy_bonus_sum"] = entropy_bonus
+  if entropy is not None:
+    metrics["entropy"] = _masked_mean(entropy, mask_NxT)
+
+  stats = jax.lax.stop_gradient
+  has_token = mask_NxT > 0
+  any_token = jnp.any(has_token)
+  metrics.update({
+      "num_tokens": jnp.sum(mask_NxT),
+      "clip_frac_low": _masked_mean(low, mask_NxT),
+      "clip_frac_high": _masked_mean(high, mask_NxT),
+      "clip_frac_dual": _masked_mean(dual, mask_NxT),
+      "ratio_mean": stats(_masked_mean(ratio, mask_NxT)),
+      # With no response token at all the ratio is reported as 1, not +-inf.
+      "ratio_min": stats(jnp.where(
+          any_token, jnp.min(jnp.where(has_token, ratio, jnp.inf)), 1.0)),
+      "ratio_max": stats(jnp.where(
+          any_token, jnp.max(jnp.where(has_token, ratio, -jnp.inf)), 1.0)),
+      "approx_kl": stats(_masked_mean(
+          kl_penalty(old_logp, logp, "k3"), mask_NxT)),
+  })
+  metrics["w_pos"], metrics["w_neg"] = agg.signed_weights(weights,
+                                                          advantages_N)
+  # Over this call's rows (a micro-batch's, with the mini-batch's weights),
+  # then averaged like the other means. Device metrics stay finite (they are
+  # averaged over parts), so "undefined" (no signed rows of differing
+  # lengths) is logged as 0 here; aggregation.diagnostics keeps the NaN.
+  corr = agg.weight_length_correlation(weights, mask_NxT, advantages_N)
+  metrics["weight_length_corr"] = jnp.where(jnp.isnan(corr), 0.0, corr)
+  return loss, metrics
+

@@ -1,0 +1,124 @@
+"""Per-token log-probabilities and entropies of responses under a policy.
+
+The trainer scores the same sampled tokens three times (policy, old policy,
+reference); the sampler's `logprobs` are the same numbers, so they can stand in
+for the old policy's. The LM head runs chunk by chunk along the sequence, so no
+`[rows, length, vocab]` logits are ever held, forward or backward.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ba_jax.policy import attention as attention_lib
+
+
+def left_justify(ids_BxL: jax.Array, mask_BxL: jax.Array, pad_id: int = 0):
+  """Moves every row's real tokens to the right end, keeping their order.
+
+  Rows may arrive left-padded, right-padded or with holes; afterwards each row
+  is left-padded (`[pad .. pad, t0 .. tk]`), so the last column holds the last
+  real token of every non-empty row. Returns `(ids_BxL, mask_BxL)`, mask int32.
+  """
+  mask_BxL = (mask_BxL != 0).astype(jnp.int32)
+  # A stable sort on the mask puts the padding first, the tokens after, in order.
+  order_BxL = jnp.argsort(mask_BxL, axis=-1, stable=True)
+  ids_BxL = jnp.take_along_axis(ids_BxL, order_BxL, axis=-1)
+  mask_BxL = jnp.take_along_axis(mask_BxL, order_BxL, axis=-1)
+  return jnp.where(mask_BxL == 1, ids_BxL, pad_id).astype(jnp.int32), mask_BxL
+
+
+def token_logprobs(logits_NxTxV: jax.Array, tokens_NxT: jax.Array,
+                   temperature: float = 1.0):
+  """Log-prob of each token and the entropy of its distribution, in float32."""
+  logp_NxTxV = jax.nn.log_softmax(logits_NxTxV.astype(jnp.float32) / temperature)
+  logp_NxT = jnp.take_along_axis(logp_NxTxV, tokens_NxT[..., None], axis=-1)[..., 0]
+  entropy_NxT = -jnp.sum(jnp.exp(logp_NxTxV) * logp_NxTxV, axis=-1)
+  return logp_NxT, entropy_NxT
+
+
+def chunked_token_logprobs(hidden_NxTxE: jax.Array, head_ExV: jax.Array,
+                           tokens_NxT: jax.Array, temperature: float = 1.0,
+                           chunk: int = 512):
+  """`token_logprobs` of `hidden @ head`, `chunk` positions at a time.
+
+  A `lax.scan` over chunks of the sequence, each under `jax.checkpoint`: only
+  one `[N, chunk, V]` block of logits is live in the forward pass, and the
+  backward pass recomputes each block from the hidden states it saved.
+  """
+  N, T, _ = hidden_NxTxE.shape
+  C = min(chunk, T)
+  n = -(-T // C)
+
+  def chunks(x):  # [N, T, ...] -> [n, N, C, ...]; the padded tail is dropped below
+    x = jnp.pad(x, [(0, 0), (0, n * C - T)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(N, n, C, *x.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def one_chunk(hidden_NxCxE, tokens_NxC):
+    logits_NxCxV = attention_lib.einsum_f32("nce,ev->ncv", hidden_NxCxE, head_ExV)
+    return token_logprobs(logits_NxCxV, tokens_NxC, temperature)
+
+  _, (logp_nxNxC, entropy_nxNxC) = jax.lax.scan(
+      lambda _, xs: (None, one_chunk(*xs)), None,
+      (chunks(hidden_NxTxE), chunks(tokens_NxT)))
+  unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(N, n * C)[:, :T]
+  return unchunk(logp_nxNxC), unchunk(entropy_nxNxC)
+
+
+def score_responses(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
+                    response_mask_NxT, *, temperature: float = 1.0,
+                    chunk: int | None = None):
+  """Scores responses with one forward pass over `[prompt; response]`.
+
+  Args:
+    model: a `Decoder` (`model.hidden_states` and `model.head_weights`).
+    prompt_ids_NxP, prompt_mask_NxP: prompts, any padding (left is usual).
+    response_ids_NxT, response_mask_NxT: responses starting at column 0, with
+      mask 1 on real tokens (the stop token included) and 0 after.
+    temperature: the sampling temperature; must be > 0. Greedy samples (drawn
+      at temperature 0) carry log-probs at temperature 1.0, so score them so.
+    chunk: response positions per LM-head chunk; default
+      `model.config.logprob_chunk` (config key `model.logprob_chunk`).
+
+  Returns:
+    `(logp_NxT, entropy_NxT)`, float32: the log-probability of each response
+    token under `softmax(logits / temperature)` and that distribution's
+    entropy, zero where the response mask is 0. Pure, jittable and
+    differentiable in the model's parameters.
+  """
+  if not isinstance(temperature, (int, float)) or temperature <= 0:
+    raise ValueError(
+        f"score_responses: temperature must be a number > 0, got {temperature!r}"
+        " (greedy samples are scored at temperature=1.0)")
+  if prompt_ids_NxP.shape != prompt_mask_NxP.shape:
+    raise ValueError(f"score_responses: prompt_ids shape {prompt_ids_NxP.shape}"
+                     f" != prompt_mask shape {prompt_mask_NxP.shape}")
+  if response_ids_NxT.shape != response_mask_NxT.shape:
+    raise ValueError(
+        f"score_responses: response_ids shape {response_ids_NxT.shape}"
+        f" != response_mask shape {response_mask_NxT.shape}")
+  if prompt_ids_NxP.ndim != 2 or response_ids_NxT.ndim != 2 or (
+      prompt_ids_NxP.shape[0] != response_ids_NxT.shape[0]):
+    raise ValueError(
+        "score_responses: expected prompts [N, P] and responses [N, T] with the"
+        f" same N, got {prompt_ids_NxP.shape} and {response_ids_NxT.shape}")
+  P = prompt_ids_NxP.shape[1]
+  T = response_ids_NxT.shape[1]
+  prompt_ids_NxP, prompt_mask_NxP = left_justify(prompt_ids_NxP,
+                                                 prompt_mask_NxP)
+  response_mask_NxT = (response_mask_NxT != 0).astype(jnp.int32)
+  response_ids_NxT = response_ids_NxT.astype(jnp.int32)
+  ids_NxL = jnp.concatenate([prompt_ids_NxP, response_ids_NxT], axis=1)
+  mask_NxL = jnp.concatenate([prompt_mask_NxP, response_mask_NxT], axis=1)
+  chunk = model.config.logprob_chunk if chunk is None else chunk
+  if not isinstance(chunk, int) or chunk < 1:
+    raise ValueError(f"score_responses: chunk must be a positive int (tokens per LM-head chunk), got {chunk!r}")
+  hidden_NxLxE, _ = model.hidden_states(ids_NxL, mask_NxL)
+  # The hidden state at column P-1+t predicts response token t.
+  logp_NxT, entropy_NxT = chunked_token_logprobs(
+      hidden_NxLxE[:, P - 1:P - 1 + T], model.head_weights(), response_ids_NxT,
+      temperature, chunk)
+  keep_NxT = response_mask_NxT == 1
+  return (jnp.where(keep_NxT, logp_NxT, 0.0),
+          jnp.where(keep_NxT, entropy_NxT, 0.0))

@@ -1,0 +1,142 @@
+"""The run builder: a run's static pieces, built once from its config.
+
+``make_setup(config)`` validates the config (modes, divisibility over
+devices, processes and groups), builds the mesh, the tokenizer, the model
+config, the abstract model and optimizer, and the shardings of the train
+state, with typed static configs for the step and the rollout. The trainer,
+the dry run (``abstract=True``: no tokenizer, no weights), export and
+evaluation (``workdir.restore_policy``) all start here. ``init_params``
+materialises the policy directly sharded.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Collection
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from ba_jax.policy import hf
+from ba_jax.policy import model as model_lib
+from ba_jax.policy import sharding as sharding_lib
+from ba_jax.run import checkpointing, paths, rollout
+from ba_jax.tasks import registry as tasks
+from ba_jax.update import train_step as ts
+from ba_jax.run.checks import config_checks, check_split, validate
+from ba_jax.run.model_setup import (ARCHITECTURE_FIELDS, batch_shards, build_model_config,
+                                   config_rules, make_mesh, runtime_fields)
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything static about a run, built from its config."""
+  config: ml_collections.ConfigDict  # model section = the model built
+  mesh: jax.sharding.Mesh
+  rules: tuple
+  step_cfg: ts.StepConfig
+  rollout_cfg: rollout.RolloutConfig
+  tokenizer: object  # None when built abstract
+  model_config: model_lib.ModelConfig
+  graphdef: object
+  abstract_params: object
+  tx: object  # the RL optimizer (optax)
+  state_sharding: object
+  _task: object = None
+
+  @property
+  def batch_shards(self) -> int:
+    return batch_shards(self.mesh, self.rules)
+
+  @property
+  def task(self) -> tasks.Task:
+    """The task (built on first use: a dataset task reads its files)."""
+    if self._task is None:
+      if self.tokenizer is None:
+        raise ValueError("this setup was built abstract (no tokenizer): it "
+                         "has no task")
+      task = tasks.make_task(self.config, self.tokenizer)
+      check_split([("held-out problems", len(task.heldout))],
+                  self.batch_shards)
+      self._task = task
+    return self._task
+
+
+def make_setup(config, *, abstract: bool = False, devices=None,
+               explicit: Collection[str] = (), model_config=None) -> Setup:
+  """Builds and checks everything static about a run of ``config``.
+
+  Args:
+    abstract: no tokenizer and no task (the dry run; restoring a workdir).
+      The architecture is ``init_from``'s config.json when that file
+      exists, else ``config.model``.
+    devices: the mesh's devices (default all).
+    explicit: dotted config keys set by the user (``build_model_config``).
+    model_config: use this ModelConfig (a restored run's) as it is.
+  """
+  with config_checks():
+    mesh = make_mesh(config, devices)
+    rules = config_rules(config)
+    step_cfg = validate(config, mesh)
+  tokenizer = None
+  if not abstract:
+    local = copy.deepcopy(config)
+    with local.unlocked():
+      local.init_from = paths.local(config.init_from)
+    tokenizer = tasks.make_tokenizer(local)
+  with config_checks():
+    if model_config is None:
+      model_config = build_model_config(config, tokenizer, explicit=explicit)
+    config = copy.deepcopy(config)
+    for key in ARCHITECTURE_FIELDS:
+      if key in config.model:
+        config.model[key] = getattr(model_config, key)
+    rollout_cfg = rollout.RolloutConfig.from_config(config.rl)
+    rollout_cfg = dataclasses.replace(rollout_cfg, max_slots=rollout.decode_slots(
+        rollout_cfg, model_config, prompt_len=config.task.max_prompt_len,
+        mesh=mesh, rules=rules))
+    tx = ts.optimizer_from_config(config)
+  graphdef, abstract_params = nnx.split(nnx.eval_shape(
+      lambda: model_lib.Decoder(model_config, rngs=nnx.Rngs(config.seed))))
+  shapes = jax.eval_shape(lambda p: ts.create_state(p, tx), abstract_params)
+  state_sharding = ts.tree_shardings(shapes, mesh, rules)
+  return Setup(config, mesh, rules, step_cfg, rollout_cfg, tokenizer,
+               model_config, graphdef, abstract_params, tx, state_sharding)
+
+
+def abstract_state(setup: Setup):
+  """The TrainState as ShapeDtypeStructs carrying their shardings."""
+  shapes = jax.eval_shape(lambda p: ts.create_state(p, setup.tx),
+                          setup.abstract_params)
+  return checkpointing.abstract_like(shapes, setup.state_sharding)
+
+
+def init_params(setup: Setup):
+  """Random init (or ``init_from``'s weights in ``model.param_dtype``),
+  materialised directly sharded."""
+  c, mc = setup.config, setup.model_config
+  if c.init_from:
+    # Every runtime field as the run resolved it (the model config, not the
+    # raw section), so a field added to ModelConfig needs no edit here.
+    model, loaded = hf.load_pretrained(
+        paths.local(c.init_from), mesh=setup.mesh, rules=setup.rules,
+        **{k: getattr(mc, k) for k in runtime_fields(c)})
+    if loaded != mc:
+      raise ValueError(f"init_from={c.init_from!r} changed since the run was "
+                       f"set up: {loaded} != {mc}")
+    return nnx.state(model)
+  return nnx.state(sharding_lib.create_sharded(
+      lambda: model_lib.Decoder(mc, rngs=nnx.Rngs(c.seed)), setup.mesh,
+      setup.rules))
+
+
+def to_device(arrays: dict, mesh, rules) -> dict:
+  """This process's rows -> global batch-sharded arrays."""
+  out = {}
+  for name, x in arrays.items():
+    x = np.asarray(x)
+    sharding = sharding_lib.data_sharding(mesh, rules, x.ndim)
+    out[name] = jax.make_array_from_process_local_data(sharding, x)
+  return out

@@ -1,0 +1,6 @@
+"""The dry run: compile a config's real programs on its own mesh without
+weights (``compile``), analytic FLOPs (``flops``) and the report
+(``report``).
+
+May import: config, generation, policy, run, update.
+"""

@@ -1,0 +1,130 @@
+"""The dry run's report as text: per program and device, memory against each
+TPU slice's HBM, FLOPs against the analytic estimate."""
+from __future__ import annotations
+
+from ba_jax.scaling.compile import ESTIMATE_NOTE, MEMORY_FIELDS, TPU_HBM_GIB
+
+
+PROGRAMS = ("train_step", "sample", "engine", "score")
+
+
+def _bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if abs(n) < 1024:
+      return f"{n:.4g} {unit}"
+    n /= 1024
+  return f"{n:,.1f} TiB"
+
+
+def _count(n: float) -> str:
+  for unit in ("", "K", "M"):
+    if n < 1000:
+      return f"{n:.4g}{unit}"
+    n /= 1000
+  return f"{n:.4g}B"
+
+
+def format_report(report: dict) -> str:
+  """The report as a readable table."""
+  s, m = report["shapes"], report["model"]
+  mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
+  lines = [
+      f"mesh: {mesh} = {report['devices']} {report['platform']} devices; "
+      f"batch split over {report['batch_shards']}",
+      f"model: {m['model_type']}, {_count(m['params'])} parameters "
+      f"({_count(m['matmul_params'])} in matmuls), params "
+      f"{m['param_dtype']}, compute {m['dtype']}, remat {m['remat']}",
+      f"shapes: {s['prompts']} prompts x {s['group_size']} = {s['rows']} "
+      f"rows; prompt {s['prompt_len']} + response {s['response_len']} "
+      f"tokens; {s['ppo_epochs']} epoch(s) x {s['num_minibatches']} "
+      f"mini-batches x {s['num_microbatches']} micro-batches of "
+      f"{s['micro_batch_rows']} rows",
+  ]
+  lines += [f"note: {n}" for n in report["notes"]]
+  programs = [p for p in PROGRAMS if p in report]
+  lines.append("")
+  lines.append(f"{'per device':<26}" + "".join(f"{p:>16}" for p in programs))
+  for field in MEMORY_FIELDS + ("peak",):
+    lines.append(f"{field:<26}" + "".join(
+        f"{_bytes(report[p]['memory'][field]):>16}" for p in programs))
+  lines.append(f"{'FLOPs (XLA)':<26}" + "".join(
+      f"{report[p]['flops_per_device']:>16.3e}" for p in programs))
+  lines.append(f"{'compile (s)':<26}" + "".join(
+      f"{report[p]['compile_s']:>16}" for p in programs))
+  n = report["devices"]
+  a = {k: v / n for k, v in report["analytic_flops"].items()}
+  lines += [
+      "",
+      "analytic FLOPs per device (whole mesh / devices):",
+      f"  train step {a['train_step']:.3e} (6ND {a['train_6ND']:.3e}); "
+      f"as XLA counts (each loop body once: one micro-batch of one update "
+      f"through one layer, one attention tile and one LM-head chunk) "
+      f"{a['train_step_xla_counts']:.3e}",
+      f"  sampling   {a['sample']:.3e} (2ND {a['sample_2ND']:.3e}); "
+      f"as XLA counts the static sampler (prefill + one decode step) "
+      f"{a['sample_xla_counts']:.3e}",
+  ]
+  if "engine" in report:
+    lines.append("  (the engine's XLA count is one decode step of its slots "
+                 "plus one prefill per refill width, so not comparable)")
+  lines.append("")
+  lines.append(f"fits per chip ({report['devices']} chips; "
+               "peak per device vs HBM per chip):")
+  for chip, gib in TPU_HBM_GIB.items():
+    verdicts = []
+    for p in programs:
+      peak, name = report[p]["memory"]["peak"] / 2**30, p
+      if p == "engine":  # see _engine_lines
+        e = report[p]
+        peak = e["rollout_peak"] / 2**30
+        name = "engine + optimizer state"
+      verdicts.append(f"{name} {'fits' if peak <= gib else 'does NOT fit'}"
+                      f" ({peak:.3g} of {gib} GiB)")
+    lines.append(f"  {chip}-{report['devices']}: " + "; ".join(verdicts))
+  if report["platform"] == "cpu":
+    lines.append(f"note: {ESTIMATE_NOTE}")
+  if "engine" in report:
+    lines += ["", *_engine_lines(report)]
+  train = report.get("train_step", {})
+  if "one_update_memory" in train:
+    lines.append(f"train_step: compiled {train['updates_compiled']} of "
+                 f"{s['ppo_epochs'] * s['num_minibatches']} updates; "
+                 "full batch added to the arguments")
+  return "\n".join(lines)
+
+
+def _engine_lines(report: dict) -> list[str]:
+  e, n = report["engine"], report["devices"]
+  source = (f"rl.kv_cache_gib={e['kv_cache_gib']:g} per device"
+            if e["kv_cache_gib"] else "rl.max_slots per process")
+  lines = [
+      f"engine: {e['slots']} decode slots ({e['slots_per_device']} per "
+      f"device on {e['slot_shards']} batch shards), {e['cache_len']} cache "
+      f"positions each (prompt bucket {e['prompt_bucket']} - 1 + response); "
+      f"KV cache {_bytes(e['cache_bytes_per_device'])} per device, "
+      f"{_bytes(e['slot_bytes_per_device'])} per slot per device "
+      f"(slots from {source})",
+      f"engine peak {_bytes(e['memory']['peak'])} as compiled"
+      + (f" with a {e['compiled_cache_dtype']} cache, "
+         f"{_bytes(e['accelerator_peak'])} with the {e['cache_dtype']} one "
+         "(XLA:CPU would write a bfloat16 cache through float32 copies "
+         "that an accelerator does not make)"
+         if e["compiled_cache_dtype"] != e["cache_dtype"] else "")
+      + f"; + the trainer's resident optimizer state "
+      f"({_bytes(e['resident_bytes_per_device'])}): "
+      f"{_bytes(e['rollout_peak'])} "
+      "per device",
+      "slots per device that fit (estimate: that peak less its cache, plus "
+      "the cache's bytes per slot):"]
+  for chip, fit in e["slots_that_fit"].items():
+    budget = fit * e["slot_bytes_per_device"] / 2**30
+    lines.append(f"  {chip}-{n} ({TPU_HBM_GIB[chip]} GiB): {fit} per device "
+                 f"= {fit * e['slot_shards']} slots on the mesh "
+                 f"(KV cache {budget:.3g} GiB per device)")
+  if not e["kv_cache_gib"]:
+    lines.append("note: rl.max_slots counts slots per process and this dry "
+                 "run is one process, so a pod of n processes holds n times "
+                 "these slots; rl.kv_cache_gib (per device) gives the same "
+                 "slots per device whatever the process count")
+  return lines
+

@@ -1,0 +1,122 @@
+"""Tasks: where prompts come from and how responses are graded.
+
+A task is any class with the ``Task`` protocol's methods, registered under
+the ``task.name`` its configs use. The trainer, the warm-up and the dry run
+only talk to a task through this interface, so a new task is a class plus
+one ``register`` call, e.g.::
+
+    class MyTask(synthetic.SyntheticTask):  # or any class with Task's methods
+      name = "my_task"
+      ...
+    register(MyTask)
+
+Problems are whatever the task likes (the task grades its own); training
+problem ``i`` must depend only on the seed and ``i``, so a data position
+alone resumes the stream.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol, Sequence
+
+import numpy as np
+
+from ba_jax.tasks import chains
+from ba_jax.tasks import dataset_task
+from ba_jax.tasks import reasoning_gym_task
+from ba_jax.tasks import synthetic
+
+
+class Task(Protocol):
+  """What the trainer asks of a task (``synthetic.SyntheticTask``,
+  ``chains.ChainsTask``, ``dataset_task.DatasetTask`` and
+  ``reasoning_gym_task.ReasoningGymTask`` are the bundled ones). A task may
+  also have ``answer_found(texts) -> bool [n]``, whether its answer rule
+  found an answer in each response; the trainer then logs the share of
+  format failures (``format_fail_frac``)."""
+
+  name: str  # the task.name configs use (the registry key)
+  has_warmup: ClassVar[bool]  # whether warmup_examples has data
+  heldout: Sequence[Any]  # held-out problems, evaluated before/after RL
+  pad_id: int
+  eos_id: int
+
+  @classmethod
+  def from_config(cls, config, tokenizer) -> "Task":
+    """The task of a run config (its ``task``, ``eval`` and ``seed``)."""
+
+  @staticmethod
+  def build_tokenizer(config) -> Any:
+    """The task's own tokenizer, or None to use ``init_from``'s."""
+
+  @staticmethod
+  def max_warmup_response_tokens(task_cfg) -> int:
+    """An upper bound on a warm-up response's tokens, EOS included (0 when
+    the task has no warm-up data)."""
+
+  def problems(self, start: int, n: int) -> list:
+    """Training problems ``start .. start+n-1`` (global indices)."""
+
+  def warmup_examples(self, step: int, batch_size: int
+                      ) -> tuple[list, list[str]]:
+    """Supervised warm-up batch ``step``: (problems, response texts)."""
+
+  def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded prompts: int32 (ids, mask) [n, task.max_prompt_len]."""
+
+  def encode_responses(self, texts, max_len: int
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded responses ending in EOS: int32 (ids, mask) [n, max_len]."""
+
+  def decode(self, tokens_NxT, mask_NxT) -> list[str]:
+    """Response texts of sampled tokens (where the mask is 1)."""
+
+  def grade(self, texts, problems) -> tuple[np.ndarray, np.ndarray]:
+    """(rewards float32 [n], correct bool [n]) of responses to problems."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register(task_class: type, *names: str) -> type:
+  """Makes ``task_class`` the task of ``task.name`` ``task_class.name`` (or
+  of each of ``names``); returns it, so it also works as a decorator."""
+  for name in names or (task_class.name,):
+    if name in _REGISTRY and _REGISTRY[name] is not task_class:
+      raise ValueError(f"task name {name!r} is already registered to "
+                       f"{_REGISTRY[name].__name__}")
+    _REGISTRY[name] = task_class
+  return task_class
+
+
+def names() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+def task_class(name: str) -> type:
+  """The class registered for ``task.name`` = ``name``."""
+  if name not in _REGISTRY:
+    raise ValueError(f"task.name={name!r}: expected one of {names()}")
+  return _REGISTRY[name]
+
+
+def make_tokenizer(config):
+  """The task's own tokenizer, else the one saved with ``init_from``."""
+  tokenizer = task_class(config.task.name).build_tokenizer(config)
+  if tokenizer is not None:
+    return tokenizer
+  if not config.init_from:
+    raise ValueError(f"task.name={config.task.name!r} needs init_from, a "
+                     "Hugging Face directory with the policy's tokenizer")
+  from transformers import AutoTokenizer
+  return AutoTokenizer.from_pretrained(config.init_from)
+
+
+def make_task(config, tokenizer) -> Task:
+  """The task named by ``config.task.name``, built from the config."""
+  return task_class(config.task.name).from_config(config, tokenizer)
+
+
+register(synthetic.SyntheticTask)
+register(chains.ChainsTask)
+register(dataset_task.DatasetTask, *dataset_task.LOADERS)
+register(reasoning_gym_task.ReasoningGymTask, reasoning_gym_task.NAME)

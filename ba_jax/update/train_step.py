@@ -1,0 +1,279 @@
+"""The pure GRPO update: PPO epochs over one sampled batch, jitted once.
+
+``train_step(state, batch, graphdef=..., tx=..., cfg=...)`` takes the policy
+parameters and optimizer state and a batch of scored rollouts and returns the
+updated state and device metrics. Everything static (the model graph, the
+optimizer, the aggregation mode and its options) is bound before ``jax.jit``,
+so one compiled program serves the whole run (DESIGN.md section 2).
+
+Aggregation weights are computed once per PPO mini-batch, before the
+mini-batch is split into micro-batches, so the update does not depend on how
+the batch is split (``ba_jax.update.microbatch``). A mini-batch whose loss or
+gradient is not finite leaves the state untouched and is counted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from ba_jax.loss import aggregation as agg
+from ba_jax.loss import losses
+from ba_jax.update import microbatch
+from ba_jax.policy import sharding as sharding_lib
+from ba_jax.policy.scoring import score_responses
+
+BATCH_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
+              "advantages", "old_logp")
+
+
+@flax.struct.dataclass
+class TrainState:
+  """What the update carries from step to step (and what is checkpointed)."""
+  step: jax.Array  # int32 scalar: updates applied so far (RL steps)
+  params: Any  # nnx.State of the policy's nnx.Param variables
+  opt_state: Any  # optax state for params
+  nonfinite: jax.Array  # int32 scalar: skipped mini-batch updates in total
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """The static options of the update (hashable: part of the jit key)."""
+  group_size: int
+  aggregation: str = "balanced"
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  dual_clip: float | None = None
+  kl_coef: float = 0.0
+  kl_type: str = "k3"
+  entropy_coef: float = 0.0
+  reg_aggregation: str = "token"
+  max_response_len: int | None = None
+  ba_denominator: str = "group"
+  ba_scope: str = "group"
+  ppo_epochs: int = 1
+  num_minibatches: int = 1
+  num_microbatches: int = 1
+  temperature: float = 1.0
+
+  def __post_init__(self):
+    agg.check_option("loss.aggregation", self.aggregation, agg.MODES)
+    agg.check_option("loss.reg_aggregation", self.reg_aggregation, agg.MODES)
+    agg.check_option("loss.ba_denominator", self.ba_denominator,
+                     agg.BA_DENOMINATORS)
+    agg.check_option("loss.ba_scope", self.ba_scope, agg.BA_SCOPES)
+    agg.check_option("loss.kl_type", self.kl_type, losses.KL_TYPES)
+    for name in ("group_size", "ppo_epochs", "num_minibatches",
+                 "num_microbatches"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: expected a positive int")
+    if self.temperature <= 0:
+      raise ValueError(f"rl.temperature={self.temperature}: the loss scores "
+                       "responses at the sampling temperature, which must be "
+                       "> 0 for training")
+
+  def check_batch(self, num_rows: int, data_shards: int = 1) -> None:
+    """Raises if ``num_rows`` does not split into groups, mini/micro-batches
+    and ``data_shards`` devices."""
+    g, mb, k = self.group_size, self.num_minibatches, self.num_microbatches
+    if num_rows % (g * mb):
+      raise ValueError(
+          f"batch of {num_rows} rows (prompts_per_step * group_size) does not "
+          f"split into rl.num_minibatches={mb} mini-batches of whole groups "
+          f"of rl.group_size={g}; prompts_per_step must be a multiple of "
+          f"num_minibatches")
+    rows = num_rows // mb
+    if rows % k:
+      raise ValueError(
+          f"mini-batch of {rows} rows does not split into "
+          f"rl.num_microbatches={k} micro-batches")
+    if (rows // k) % data_shards:
+      raise ValueError(
+          f"micro-batch of {rows // k} rows does not split over the "
+          f"{data_shards} devices of the batch mesh axes (data x fsdp); "
+          f"choose prompts_per_step * group_size / (num_minibatches * "
+          f"num_microbatches) divisible by {data_shards}")
+
+
+def tree_shardings(tree: Any, mesh, rules) -> Any:
+  """NamedShardings for a tree of nnx Variables and plain arrays.
+
+  A Variable is sharded by its logical ``out_sharding`` metadata through
+  ``rules`` (optax moments inherit their parameter's metadata); anything
+  else (step counters, scalars) is replicated.
+  """
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def one(x):
+    if isinstance(x, nnx.Variable):
+      axes = x.get_metadata().get("out_sharding")
+      if not axes:
+        return x.replace(replicated)
+      return x.replace(sharding_lib.logical_sharding(
+          mesh, rules, axes, jnp.shape(x.get_value())))
+    return replicated
+
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def create_state(params, tx: optax.GradientTransformation) -> TrainState:
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=tx.init(params),
+                    nonfinite=jnp.zeros((), jnp.int32))
+
+
+def _loss_fn(params, micro, *, graphdef, cfg: StepConfig):
+  model = nnx.merge(graphdef, params)
+  logp_NxT, entropy_NxT = score_responses(
+      model, micro["prompt_ids"], micro["prompt_mask"], micro["response_ids"],
+      micro["response_mask"], temperature=cfg.temperature)
+  return losses.policy_loss(
+      logp_NxT, micro["old_logp"], micro["advantages"], micro["response_mask"],
+      group_size=cfg.group_size, aggregation=cfg.aggregation,
+      eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
+      ref_logp=micro.get("ref_logp"), kl_coef=cfg.kl_coef,
+      kl_type=cfg.kl_type, entropy=entropy_NxT,
+      entropy_coef=cfg.entropy_coef, reg_aggregation=cfg.reg_aggregation,
+      max_response_len=cfg.max_response_len,
+      ba_denominator=cfg.ba_denominator, ba_scope=cfg.ba_scope,
+      weights=micro["weights"], reg_weights=micro["reg_weights"])
+
+
+def _update(state: TrainState, mini: dict, *, graphdef, tx, cfg: StepConfig):
+  """One optimizer update on one mini-batch; skipped when not finite."""
+  mask_NxT = mini["response_mask"].astype(jnp.float32)
+  mini = dict(mini, **microbatch.mini_batch_weights(
+      mask_NxT, mini["advantages"], aggregation=cfg.aggregation,
+      group_size=cfg.group_size, reg_aggregation=cfg.reg_aggregation,
+      max_response_len=cfg.max_response_len,
+      ba_denominator=cfg.ba_denominator, ba_scope=cfg.ba_scope))
+  loss_fn = functools.partial(_loss_fn, graphdef=graphdef, cfg=cfg)
+  loss, grads, metrics = microbatch.accumulate_gradients(
+      loss_fn, state.params, mini, num_micro_batches=cfg.num_microbatches)
+  grad_norm = optax.global_norm(grads)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  update_norm = optax.global_norm(updates)
+  finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            & jnp.isfinite(update_norm))
+  params = optax.apply_updates(state.params, updates)
+  keep = lambda new, old: jax.tree.map(
+      lambda n, o: jnp.where(finite, n, o), new, old)
+  metrics = dict(metrics, loss=loss, grad_norm=grad_norm,
+                 update_norm=jnp.where(finite, update_norm, 0.0),
+                 nonfinite=(~finite).astype(jnp.int32))
+  state = state.replace(params=keep(params, state.params),
+                        opt_state=keep(opt_state, state.opt_state),
+                        nonfinite=state.nonfinite + metrics["nonfinite"])
+  return state, metrics
+
+
+def _stack_rows(x, parts: int):
+  """[N, ...] -> [parts, N // parts, ...], the rows still over the batch mesh axes."""
+  x = x.reshape(parts, x.shape[0] // parts, *x.shape[1:])
+  return sharding_lib.constrain(x, (None, "activation_batch") + (None,) * (x.ndim - 2))
+
+
+def train_step(state: TrainState, batch: dict, *, graphdef, tx,
+               cfg: StepConfig, mesh_rules=None):
+  """PPO epochs x mini-batches of updates on one batch of rollouts.
+
+  Both loops are ``lax.scan``s, so the compiled program holds one update
+  body whatever their lengths.
+
+  Args:
+    state: the TrainState (donated by the jitted wrapper).
+    batch: ``prompt_ids``/``prompt_mask`` [N, P], ``response_ids``/
+      ``response_mask`` [N, T], ``advantages`` [N], ``old_logp`` [N, T] and,
+      when ``cfg.kl_coef > 0``, ``ref_logp`` [N, T]; rows group-major.
+    mesh_rules: ``(mesh, rules)`` to pin activations to (rows over the batch
+      mesh axes, see ``sharding.activation_sharding``); None leaves them to
+      the compiler.
+  Returns:
+    ``(state, metrics)``: metrics averaged over the updates, except
+    ``nonfinite`` (summed) and ``*_max`` (max).
+  """
+  with sharding_lib.activation_sharding(*(mesh_rules or (None,))):
+    return _train_step(state, batch, graphdef=graphdef, tx=tx, cfg=cfg)
+
+
+def _train_step(state: TrainState, batch: dict, *, graphdef, tx, cfg: StepConfig):
+  n = batch["advantages"].shape[0]
+  cfg.check_batch(n)
+  minis = jax.tree.map(lambda x: _stack_rows(x, cfg.num_minibatches), batch)
+  update = functools.partial(_update, graphdef=graphdef, tx=tx, cfg=cfg)
+
+  def epoch(state, _):
+    return jax.lax.scan(update, state, minis)
+
+  state, stacked = jax.lax.scan(epoch, state, None, length=cfg.ppo_epochs)
+  out = {}  # stacked metrics are [epochs, mini-batches]
+  for name, values in stacked.items():
+    if name == "nonfinite" or name.endswith("_sum"):
+      out[name] = jnp.sum(values)
+    elif name.endswith("_max"):
+      out[name] = jnp.max(values)
+    elif name.endswith("_min"):
+      out[name] = jnp.min(values)
+    else:
+      out[name] = jnp.mean(values)
+  # W+/W- over the first epoch: the whole batch's weights as sampled (each
+  # mini-batch's weights sum to at most 1, so the batch's are their mean).
+  out["w_pos"] = jnp.mean(stacked["w_pos"][0])
+  out["w_neg"] = jnp.mean(stacked["w_neg"][0])
+  out["param_norm"] = optax.global_norm(state.params)
+  return state.replace(step=state.step + 1), out
+
+
+def jit_train_step(*, graphdef, tx, cfg: StepConfig, state_sharding=None,
+                   batch_sharding=None, mesh=None, rules=None):
+  """``train_step`` jitted with the statics bound, shardings set and the
+  state donated; with ``mesh``, activations are pinned by ``rules``."""
+  mesh_rules = None if mesh is None else (mesh, rules or sharding_lib.DEFAULT_RULES)
+  fn = functools.partial(train_step, graphdef=graphdef, tx=tx, cfg=cfg, mesh_rules=mesh_rules)
+  kwargs = {}
+  if state_sharding is not None:
+    kwargs = dict(in_shardings=(state_sharding, batch_sharding),
+                  out_shardings=(state_sharding, None))
+  return jax.jit(fn, donate_argnums=0, **kwargs)
+
+
+def make_optimizer(*, learning_rate: float, warmup_steps: int,
+                   total_steps: int, schedule: str = "constant",
+                   end_lr_frac: float = 0.1, weight_decay: float = 0.0,
+                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                   grad_clip: float = 1.0) -> optax.GradientTransformation:
+  """AdamW with linear warm-up, then constant or cosine decay; global-norm
+  clipping first. The schedule counts optimizer updates."""
+  agg.check_option("optim.schedule", schedule, ("constant", "cosine"))
+  if schedule == "cosine":
+    lr = optax.warmup_cosine_decay_schedule(
+        0.0, learning_rate, max(warmup_steps, 0), max(total_steps, 1),
+        end_value=learning_rate * end_lr_frac)
+  elif warmup_steps > 0:
+    lr = optax.join_schedules([
+        optax.linear_schedule(0.0, learning_rate, warmup_steps),
+        optax.constant_schedule(learning_rate)], [warmup_steps])
+  else:
+    lr = optax.constant_schedule(learning_rate)
+  parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
+  parts.append(optax.adamw(lr, b1=b1, b2=b2, eps=eps,
+                           weight_decay=weight_decay))
+  return optax.chain(*parts)
+
+
+def optimizer_from_config(config) -> optax.GradientTransformation:
+  """``make_optimizer`` from a run config's ``optim`` and ``rl`` sections."""
+  rl, optim = config.rl, config.optim
+  return make_optimizer(
+      learning_rate=optim.learning_rate, warmup_steps=optim.warmup_steps,
+      total_steps=rl.steps * rl.ppo_epochs * rl.num_minibatches,
+      schedule=optim.schedule, end_lr_frac=optim.end_lr_frac,
+      weight_decay=optim.weight_decay, b1=optim.b1, b2=optim.b2,
+      eps=optim.eps, grad_clip=optim.grad_clip)
