@@ -1,11 +1,13 @@
 """Continuous-batching engine vs the static sampler vs transformers generate, one process.
 
-    python experiments/bench_engine.py             # the issue's settings (~35 min on 2 cores)
+    python experiments/bench_engine.py             # every part, full sizes (~35 min on 2 cores)
+    python experiments/bench_engine.py --parts=bf  # only the parts named by their letters
     python experiments/bench_engine.py --quick     # a smoke run, tiny model
 
 Writes experiments/results/engine_bench.md (or --output). Model: Qwen3-style,
 float32, vocab 32000, hidden 512, 8 layers (8 heads, 4 kv heads, head_dim 64,
-MLP 1536, tied embeddings: ~41M parameters), random weights.
+MLP 1536, tied embeddings: ~41M parameters), random weights. The parts
+(``--parts``, default ``abpf``):
 
 (a) RL-like length skew: 16 prompts x G=8 = 128 rows, 32-token prompts, a
     budget of 512. Random weights never emit EOS, so row lengths are FORCED:
@@ -17,9 +19,9 @@ MLP 1536, tied embeddings: ~41M parameters), random weights.
 (b) Uniform: 16 x 8 rows, 32-token prompts, 256 new tokens, T=1 and greedy:
     `sample_groups` (all rows at once), the engine with 128 slots, and
     transformers `generate` on the same weights.
-Then one decode step (128 rows) taken apart: draw, cache write, attention, LM head;
-and (f) the step's floors on this machine: its weight matmuls alone and one read of
-its K/V bytes alone, next to (b)'s measured steps.
+(p) One decode step (128 rows) taken apart: draw, cache write, attention, LM head.
+(f) The step's floors on this machine: its weight matmuls alone and one read of
+    its K/V bytes alone, next to (b)'s measured steps.
 
 Notes written by hand below the HAND_WRITTEN marker line of the output file are kept
 when the script rewrites it.

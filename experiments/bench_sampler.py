@@ -1,6 +1,6 @@
 """Sampler throughput: ba_jax.generation.sampler vs transformers generate, same weights, one process.
 
-    python experiments/bench_sampler.py            # the issue's setting, ~10 min on 2 cores
+    python experiments/bench_sampler.py            # the full setting, ~10 min on 2 cores
     python experiments/bench_sampler.py --quick    # a smoke run, tiny model
 
 Writes experiments/results/sampler_bench.md (or --output). Setting: 16

@@ -75,7 +75,7 @@ def _best_seconds(fn, repeats: int) -> float:
 
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> dict:
   """Best float32 ``n x n`` matmul rate, JAX (jitted) and torch: the host's
-  floor reference (PITFALLS.md: hosts of this kind differ up to ~7x)."""
+  floor reference (CPU hosts of one kind differ in it several-fold)."""
   import torch
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
   f = jax.jit(lambda x: x @ x)

@@ -1,7 +1,7 @@
 """Token weights for every aggregation rule of a GRPO-style loss.
 
 Every rule is a table of token weights ``w_NxT`` computed from the response
-mask, the sequence advantages and the group layout only (DESIGN.md section 1);
+mask, the sequence advantages and the group layout only (docs/aggregation.md);
 the aggregated loss is ``sum(w * values)``. Rows are group-major: sequence
 ``n`` belongs to group ``n // group_size``. The mode and its options are static
 (Python values), so each mode compiles its own function under ``jax.jit``.
@@ -182,7 +182,7 @@ def _within_subset_cv(lengths_GxS, pos_GxS, neg_GxS, xp):
 
 def length_diagnostics(lengths_N, advantages_N, *, group_size: int,
                        xp=jnp) -> dict:
-  """Response-length statistics of DESIGN.md section 1, from float lengths
+  """Response-length statistics of docs/aggregation.md, from float lengths
   [N] (``xp``: jax.numpy on device, numpy on the host).
 
   ``pos_frac``: positive sequences among those with a non-zero advantage.

@@ -4,7 +4,7 @@ The surrogate, the KL penalty and the entropy bonus are per-token arrays
 [N, T]; ``ba_jax.loss.aggregation`` turns each into a scalar. The policy term uses
 the aggregation mode under study; the regularisers use their own mode
 (``reg_aggregation``, default ``token``) so that BA's zero weight on
-zero-advantage sequences never silently drops them (DESIGN.md section 1).
+zero-advantage sequences never silently drops them (docs/aggregation.md).
 """
 
 from __future__ import annotations

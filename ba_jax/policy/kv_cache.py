@@ -2,8 +2,8 @@
 
 Layout per layer: keys `[B, num_kv_heads, head_dim, S]` and values
 `[B, num_kv_heads, S, head_dim]` (the kv-head axis before the sequence axis, so
-a decode step's attention reads each head's entries contiguously; PITFALLS.md:
-30-43% faster than `[B, S, K, D]` on CPU). Keys are stored transposed so that
+a decode step's attention reads each head's entries contiguously: 30-43%
+faster than `[B, S, K, D]` on CPU). Keys are stored transposed so that
 both attention matmuls (q.K and p.V) contract a row-major operand's leading
 axis: XLA:CPU ran `einsum("bkgd,bksd->bkgs")` ~14x slower than the same
 product against `[B, K, D, S]` keys (23.0 vs 1.6 ms for 128 rows x 287

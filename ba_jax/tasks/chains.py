@@ -1,68 +1,31 @@
 """A synthetic task whose response length is the policy's choice: chains of sums.
 
-The prompt gives a few single-digit numbers, ``3+5+2=`` (the addition task's
-prompt, ``ba_jax.tasks.synthetic.Problem``). A response writes ``r`` chains and then
-the answer::
+The prompt is the addition task's (``ba_jax.tasks.synthetic.Problem``):
+``3+5+2=``. A response writes ``r`` chains, then the answer::
 
     2,5,10,12 1,4,9,11 0,3,8,10 Answer: 10
 
-A chain starting at ``s`` adds the prompt's numbers in order:
-``s, s+x1, s+x1+x2, ..., s+S``. The ``j``-th of ``r`` chains starts at
-``r - j``, so the last is the plain partial sums and the answer is its total.
-Every chain differs from every other in every value, so none can be copied,
-and every token of a response is arithmetic or a separator: there are no
-scratch tokens. The first token states how many chains will follow (``r - 1``)
-and each chain adds one chain's worth of tokens: ``r``, the length, is the
-policy's choice, made at its first token.
+The ``j``-th of ``r`` chains starts at ``r - j`` and adds the prompt's
+numbers in order, so the last chain is the plain partial sums and the answer
+is its total. No chain can be copied from another and there are no scratch
+tokens; the first token fixes ``r``, and so the length.
 
-Two knobs set what the paper's analysis of aggregation turns on:
-
-* ``chain_counts``: the warm-up data draws ``r`` uniformly from this set, so
-  its spread sets the within-group length variation (warm-up data, groups of
-  8: CV 0.09 for (4, 5), 0.51 for (1, 2, 4, 8), 0.60 for (1, 2, 8)). A group
-  shares its prompt, so ``r`` is the only source of length variation in it.
+* ``chain_counts``: the warm-up draws ``r`` uniformly from this set, which
+  sets the within-group length variation (on warm-up data, groups of 8: CV
+  0.09 for (4, 5), 0.51 for (1, 2, 4, 8), 0.60 for (1, 2, 8)).
 * ``rule``, the verifier: ``"answer"`` (only ``Answer: S`` counts; no length
-  gap by construction), ``"min_count:k"`` (the answer right, the chains well
+  gap by construction); ``"min_count:k"`` (the answer right, every chain well
   formed, the last one the plain partial sums, and ``r >= k``: correct
-  responses are the longer ones, a positive gap) or ``"max_count:k"`` (the
-  same with ``r <= k``: a negative gap). The stricter ``"min_chains:k"`` and
-  ``"max_chains:k"`` also require every chain's arithmetic to be right.
+  responses are the longer ones) or ``"max_count:k"`` (the same with
+  ``r <= k``: the shorter ones). ``"min_chains:k"`` and ``"max_chains:k"``
+  also require every chain's arithmetic to be right.
 
-Why the count rules are the ones configs/chains.py uses: under a chain rule a
-response of ``r`` chains has ``r`` chains to get wrong, so on a small
-policy's own samples P(correct | r) falls with ``r``. Under ``min_chains:2``
-the correct responses were then the SHORT ones (within-group gap -0.08 to
--0.30 on policy samples, results/chains_length_check.md and
-results/grid_quick/), the opposite of the gap the rule sets on the warm-up
-data, and only 1-8% of samples were correct, too few mixed groups for RL to
-learn from. A count rule grades what does not grow with ``r`` (the answer and
-the last chain, the same arithmetic for every ``r``) and the length the
-policy chose, so P(correct | r) is flat in ``r`` up to the bound and the
-rule alone sets the gap's sign. The price: the chains before the last are
-still written (the warm-up teaches them, and they are tokens the policy
-must produce and the loss weighs) but no longer graded, so under a count
-rule they are work the policy was taught, not work the verifier checks; a
-policy could in principle learn to write them carelessly. The count is the
-number of well-formed chains written, whatever they start from.
-
-Why counting down from ``r - 1`` rather than starting chain ``j`` at the
-``j``-th prompt number: with a few numbers that reading repeats itself after
-as many chains as there are numbers (a longer prompt would lengthen every
-chain). Counting up (chain ``j`` from ``j``) works too but leaves the answer
-to a subtraction from the last total; counting down makes it that total.
-After 400 warm-up steps a ~1M-parameter policy gets the answer right on
-about a quarter of its samples either way (experiments/chains_warmup_probe.py,
-results/chains_warmup_probe_high_pos_{countup,countdown}.json): the partial
-sums, not the answer, are what it has not learnt yet.
-
-The warm-up data mixes error-free traces (share ``sft_correct_frac``) with
-traces whose last chain goes wrong by a small amount from one value on,
-carried to its total and the answer; the error is drawn independently of
-``r``, so under ``"answer"`` correct and wrong traces have the same lengths.
-Every rule grades a warm-up trace alike whether it counts chains or checks
-them (only the last chain of a trace can be wrong), so the warm-up does not
-depend on the rule.
-Problems, held-out split, seeding and tokenizer are the addition task's.
+Warm-up traces are error-free (share ``sft_correct_frac``) or have their last
+chain go wrong by a small amount from one value on, carried to the answer;
+the error is drawn independently of ``r``, and every rule grades a warm-up
+trace alike, so the warm-up does not depend on the rule. Problems, held-out
+split, seeding and tokenizer are the addition task's. Why the aggregation
+grid uses the count rules: experiments/results/grid/README.md.
 """
 from __future__ import annotations
 
