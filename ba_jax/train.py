@@ -1,6 +1,7 @@
 """Command line: ``python -m ba_jax.train --config=configs/tiny.py --workdir=DIR``.
 
-Overrides: ``--config.rl.steps=10``; variants: ``--config=configs/tiny.py:smoke``.
+Overrides: ``--config.rl.steps=10``; variants: ``--config=configs/tiny.py:smoke``;
+every key with its default, range and meaning: ``--helpconfig``.
 Memory and FLOPs of a config without weights: ``python -m ba_jax.dry_run``.
 Several processes (``jax.distributed``): pass ``--coordinator_address``,
 ``--num_processes`` and ``--process_id``, or set ``BA_JAX_DISTRIBUTED=1`` to
@@ -52,7 +53,12 @@ def _one_line(error: BaseException) -> str:
 def parse_flags(argv):
   """absl's parsing, with a bad ``--config.*`` override (ml_collections
   raises KeyError/AttributeError/TypeError from inside the flag parser, a
-  long chained traceback) turned into one line naming the override."""
+  long chained traceback) turned into one line naming the override.
+  ``--helpconfig`` prints every config key (``schema.help_text``) and exits."""
+  if "--helpconfig" in argv[1:]:
+    from ba_jax.config import schema
+    print(schema.help_text())
+    sys.exit(0)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:

@@ -44,12 +44,9 @@ import os
 import runpy
 import types
 
-import ml_collections
-
+from ba_jax.config import common
 from ba_jax.tasks import chains
 
-common = types.SimpleNamespace(**runpy.run_path(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py")))
 tiny = types.SimpleNamespace(**runpy.run_path(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py")))
 VARIANTS = {"spread": "low|high chain-count spread",
@@ -85,8 +82,8 @@ def get_config(arg=None):
   c.model.update(dict(BIG_MODEL if args.get("big") else MODEL,
                       max_position_embeddings=160))
 
-  c.task = ml_collections.ConfigDict(dict(
-      name=chains.NAME,  # ba_jax/tasks/chains.py
+  c.task = common.task(
+      chains.NAME,  # ba_jax/tasks/chains.py
       min_terms=2,  # numbers in the prompt: 2 or 3
       max_terms=3,
       max_value=5,  # numbers 1..5: mostly single-digit partial sums
@@ -95,7 +92,7 @@ def get_config(arg=None):
       sft_correct_frac=0.5,  # error-free warm-up traces (the rule may fail them)
       grader="builtin",  # the chain rules are this task's own
       max_prompt_len=8,  # "5+5+5=" is 6 tokens
-  ))
+  )
   c.sft.update(steps=500, batch_size=32)
   c.rl.update(steps=20, prompts_per_step=8)  # 8 prompts x 8 responses
   c.rl.max_new_tokens = _budget(c.task)

@@ -12,14 +12,14 @@ Variants: ``:agg=<mode>`` (token | sequence | dr_grpo | balanced, the
 default), ``:param_dtype=<dtype>`` (float32 master weights by default: ~120 GB
 for the whole model with its AdamW moments before sharding; bfloat16 halves
 the weights) and ``:runlocal`` (a few steps on this CPU: a tiny random qwen2
-model on the bundled synthetic task, ``configs/common.py:runlocal``)::
+model on the bundled synthetic task, ``ba_jax/config/common.py:runlocal``)::
 
     python -m ba_jax.train --config=configs/qwen25_math_7b_dapo17k.py:runlocal \\
         --workdir=/tmp/runlocal_7b
 
 The recipe both paper configs share (DAPO's where the paper is silent),
 with its citation and how its warm-up was converted, is ``dapo_recipe`` in
-configs/common.py. The model fields describe Qwen2.5-Math-7B for the dry
+ba_jax/config/common.py. The model fields describe Qwen2.5-Math-7B for the dry
 run; a run takes the architecture from ``init_from``'s config.json.
 
 Lengths: Qwen2.5-Math-7B has a 4096-token context (max_position_embeddings
@@ -34,12 +34,8 @@ budget, rounded) are our choices. DAPO's own verl script for this model
 with a 4096 buffer by overriding max_position_embeddings to 32768, which
 runs the model beyond its trained context.
 """
-import os
-import runpy
-import types
+from ba_jax.config import common
 
-common = types.SimpleNamespace(**runpy.run_path(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py")))
 
 
 def get_config(arg=None):

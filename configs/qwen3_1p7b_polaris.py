@@ -12,14 +12,14 @@ Variants: ``:agg=<mode>`` (token | sequence | dr_grpo | balanced, the
 default), ``:param_dtype=<dtype>`` (float32 master weights by default: ~28 GB
 for the whole model with its AdamW moments before sharding) and
 ``:runlocal`` (a few steps on this CPU: a tiny random qwen3 model on the
-bundled synthetic task, ``configs/common.py:runlocal``)::
+bundled synthetic task, ``ba_jax/config/common.py:runlocal``)::
 
     python -m ba_jax.train --config=configs/qwen3_1p7b_polaris.py:runlocal \\
         --workdir=/tmp/runlocal_1p7b
 
 The recipe both paper configs share (DAPO's where the paper is silent),
 with its citation and how its warm-up was converted, is ``dapo_recipe`` in
-configs/common.py.
+ba_jax/config/common.py.
 
 Lengths: a 2048-token prompt and a 20480-token response with a 4096-token
 soft overlong buffer, DAPO's published lengths (the DAPO paper's recipe;
@@ -33,14 +33,10 @@ Polaris-specific: prompts end in the \\boxed{} instruction and answers
 are read from the last \\boxed{}; problems are filtered by their difficulty
 field (a pass rate such as "3/8"), dropping those solved every time.
 """
-import os
-import runpy
-import types
 
 from ml_collections import config_dict
+from ba_jax.config import common
 
-common = types.SimpleNamespace(**runpy.run_path(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py")))
 
 
 def get_config(arg=None):

@@ -22,13 +22,9 @@ Variants (comma separated after the colon):
         same task and code path
     --config=configs/smollm2_reasoning_gym.py:agg=token   another rule
 """
-import os
-import runpy
-import types
 
-common = types.SimpleNamespace(**runpy.run_path(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py")))
-from ba_jax.tasks import reasoning_gym_task  # noqa: E402
+from ba_jax.config import common
+from ba_jax.tasks import reasoning_gym_task
 
 VARIANTS = {"agg": "<aggregation mode>",
             "runlocal": "a seconds-scale run of the same code path (tiny "

@@ -4,22 +4,16 @@
 
 Supervised warm-up on the synthetic task (ba_jax/tasks/synthetic.py), then GRPO with
 balanced aggregation; held-out accuracy is printed before and after RL.
-Every section's keys and defaults are documented in configs/common.py; this
-file states the model, the task and what differs. Variants (comma separated
+Every key's default and meaning: ``python -m ba_jax.train --helpconfig``;
+this file states the model, the task and what differs. Variants (comma separated
 ``key=value`` after the colon):
 
     --config=configs/tiny.py:smoke          a few-second run for tests and CI
     --config=configs/tiny.py:agg=token      another aggregation rule
     --config=configs/tiny.py:gap=-6         wrong answers 6 tokens shorter
 """
-import os
-import runpy
-import types
+from ba_jax.config import common
 
-import ml_collections
-
-common = types.SimpleNamespace(**runpy.run_path(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py")))
 VARIANTS = {"smoke": "a seconds-scale run", "agg": "<aggregation mode>",
             "gap": "<int> wrong minus right warm-up length"}
 
@@ -37,18 +31,7 @@ def get_config(arg=None):
       tie_word_embeddings=True, qk_norm=True, max_position_embeddings=128)
 
   # The bundled synthetic task (ba_jax/tasks/synthetic.py).
-  c.task = ml_collections.ConfigDict(dict(
-      name="synthetic_sum",  # a name registered in ba_jax/tasks/registry.py
-      min_terms=2,  # fewest numbers to add (response length grows with it)
-      max_terms=4,  # most numbers to add: the length-variation setting
-      max_value=9,  # each number is drawn from 1..max_value
-      length_gap=int(args.get("gap", 6)),  # wrong minus right length, tokens
-      sft_correct_frac=0.5,  # share of correct traces in the warm-up data
-      # rewards: ba_jax.tasks.rewards.score_math(rule="answer"), the math reward
-      # path; builtin: ba_jax.tasks.synthetic.grade, the same rule without it.
-      grader="rewards",
-      max_prompt_len=16,  # prompt tokens, padded (static shape)
-  ))
+  c.task = common.synthetic_task(length_gap=int(args.get("gap", 6)))
   c.sft.steps = 600
   # 1e-3 drifts the tiny policy off the task.
   c.optim.learning_rate = 1e-4

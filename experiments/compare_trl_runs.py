@@ -23,6 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ba_jax.config import schema  # noqa: E402
 from ba_jax import export
 from ba_jax.policy import hf
 from ba_jax.run import model_setup
@@ -177,7 +178,7 @@ class Evaluator:
     model, loaded = hf.load_pretrained(
         str(hf_dir), mesh=s.mesh, rules=s.rules,
         **{k: getattr(s.model_config, k)
-           for k in model_setup.runtime_fields(self.config)})
+           for k in model_setup.runtime_fields(s.cfg)})
     if loaded != s.model_config:
       raise ValueError(f"{hf_dir}: architecture {loaded} differs from the "
                        f"run's {s.model_config}")
@@ -333,7 +334,9 @@ def run_trl(config, workdir: pathlib.Path, *, start_dir: str,
   shutil.rmtree(workdir, ignore_errors=True)
   torch.manual_seed(config.seed)
   rl = config.rl
-  task = tasks.make_task(config, tasks.make_tokenizer(config))
+  cfg = schema.parse(config)
+  task = tasks.make_task(cfg.task, cfg.eval, seed=cfg.seed,
+                         tokenizer=tasks.make_tokenizer(cfg.task))
   problems = task.problems(0, rl.steps * rl.prompts_per_step)
   processing = AutoTokenizer.from_pretrained(start_dir)
   texts, _ = _prompt_texts(task, problems, processing)

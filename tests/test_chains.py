@@ -3,6 +3,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from ba_jax.config import schema
 from ba_jax.tasks import chains
 from ba_jax.tasks import synthetic
 
@@ -190,8 +191,7 @@ def test_verifier_rule_sets_the_sign_of_the_length_gap(counts, rule, sign):
 
 
 def task_section(**overrides):
-  """The ``task`` section of a config for this task (see
-  experiments/chains_config_proposal.py)."""
+  """The ``task`` section of a config for this task."""
   c = ml_collections.ConfigDict(dict(
       name="synthetic_chains", min_terms=2, max_terms=3, max_value=9,
       chain_counts="1,2,4,8", rule="min_chains:4", sft_correct_frac=0.5,
@@ -232,9 +232,8 @@ def test_task_interface_from_a_config_section():
   with pytest.raises(ValueError, match="task.grader='rewards'"):
     chains.ChainsTask(c, seed=0, tokenizer=tok, max_prompt_len=8,
                       num_heldout=4, grader="rewards")
-  with pytest.raises(ValueError, match=r"unknown key\(s\) \['chain_count'\]"):
-    chains.ChainsTask(task_section(chain_count="1,2"), seed=0, tokenizer=tok,
-                      max_prompt_len=8, num_heldout=4)
+  with pytest.raises(ValueError, match=r"task.chain_count: unknown key"):
+    schema.task_section(task_section(chain_count="1,2"))
   with pytest.raises(ValueError, match="task.max_prompt_len=4"):
     chains.ChainsTask(c, seed=0, tokenizer=tok, max_prompt_len=4,
                       num_heldout=4).encode_prompts(train[:2])
@@ -265,7 +264,10 @@ def test_task_built_from_the_config_warms_up_on_chains():
   import trainer_utils as tu
   from ba_jax.tasks import registry as tasks
   config = tu.load_config("smoke,gap=pos", "configs/chains.py")
-  task = tasks.make_task(config, tasks.make_tokenizer(config))
+  from ba_jax.config import schema
+  cfg = schema.parse(config)
+  task = tasks.make_task(cfg.task, cfg.eval, seed=cfg.seed,
+                         tokenizer=tasks.make_tokenizer(cfg.task))
   assert isinstance(task, chains.ChainsTask) and task.has_warmup
   problems, texts = task.warmup_examples(step=1, batch_size=6)
   assert [chains.parse_response(t)[1] is not None for t in texts] == [True] * 6

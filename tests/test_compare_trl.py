@@ -8,6 +8,7 @@ import sys
 import pytest
 from flax import nnx
 
+from ba_jax.config import schema
 from ba_jax.policy import hf
 from ba_jax.policy import model as model_lib
 from ba_jax.run import model_setup
@@ -25,8 +26,8 @@ def test_quick_comparison_writes_both_trainers_numbers(tmp_path, monkeypatch):
   monkeypatch.chdir(ROOT)
   # A random smoke-sized policy as the start checkpoint (no warm-up run).
   tokenizer = synthetic.build_tokenizer()
-  config = model_setup.build_model_config(trainer_utils.load_config("smoke"),
-                                        tokenizer)
+  config = model_setup.build_model_config(
+      schema.parse(trainer_utils.load_config("smoke")), tokenizer)
   start = tmp_path / "start"
   hf.save_pretrained(model_lib.Decoder(config, rngs=nnx.Rngs(0)), config,
                      start, tokenizer=tokenizer)

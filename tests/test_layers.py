@@ -52,7 +52,9 @@ def imports_of(path: pathlib.Path) -> set[str]:
     if isinstance(node, ast.Import):
       names = [a.name for a in node.names]
     elif isinstance(node, ast.ImportFrom) and node.module:
-      names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+      # ``from ba_jax.run import paths`` imports the module run.paths;
+      # ``from ba_jax.run.paths import path`` imports run.paths too.
+      names = [f"{node.module}.{a.name}" for a in node.names]
     else:
       continue
     for name in names:

@@ -8,6 +8,7 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
+from ba_jax.config import schema
 from ba_jax.loss import aggregation
 from ba_jax.policy import model as model_lib
 from ba_jax.run import checks
@@ -58,7 +59,7 @@ def test_loads_locked_and_rejects_a_typo(path):
 def test_every_aggregation_variant(path, mode):
   config = load(path, f"agg={mode}")
   assert config.loss.aggregation == mode
-  assert checks.step_config(config).aggregation == mode
+  assert checks.step_config(schema.parse(config)).aggregation == mode
 
 
 def test_unknown_variant_is_named(path):
@@ -108,7 +109,7 @@ def test_recipe(path):
   assert c.init_from and c.task.path  # placeholders the user replaces
   # 512 prompts x 16 responses split into whole groups, micro-batches and
   # the 16 batch shards of the pod mesh on 64 devices.
-  checks.step_config(c).check_batch(512 * 16, data_shards=16)
+  checks.step_config(schema.parse(c)).check_batch(512 * 16, data_shards=16)
   # Rollouts through the engine: a KV-cache budget per device that leaves
   # room on a 16 GiB v5e chip and holds fewer slots than the 512 rows of
   # each of the 16 batch shards (the dry run sizes it; see the config).

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from ba_jax.config import common, schema
 from ba_jax.tasks import dataset_task
 from ba_jax.run import setup as setup_lib
 from ba_jax.update import sft
@@ -10,7 +11,7 @@ from ba_jax.tasks import registry as tasks
 import trainer_utils as tu
 
 PROTOCOL = ("problems", "warmup_examples", "encode_prompts",
-            "encode_responses", "decode", "grade", "from_config",
+            "encode_responses", "decode", "grade", "from_section",
             "build_tokenizer", "max_warmup_response_tokens", "has_warmup")
 
 
@@ -28,7 +29,9 @@ def test_registry_holds_the_bundled_tasks():
 
 def test_synthetic_task_from_the_tiny_config():
   config = tu.smoke_config()
-  task = tasks.make_task(config, tasks.make_tokenizer(config))
+  cfg = schema.parse(config)
+  task = tasks.make_task(cfg.task, cfg.eval, seed=cfg.seed,
+                         tokenizer=tasks.make_tokenizer(cfg.task))
   assert task.name == "synthetic_sum" and task.has_warmup
   assert len(task.heldout) == config.eval.num_problems
   problems, texts = task.warmup_examples(step=2, batch_size=5)
@@ -64,6 +67,7 @@ def test_a_new_task_is_a_class_and_a_register_call():
       tasks.register(synthetic.SyntheticTask, "synthetic_sum_no_gap")
   finally:
     del tasks._REGISTRY["synthetic_sum_no_gap"]  # pylint: disable=protected-access
+    del schema.TASK_SECTIONS["synthetic_sum_no_gap"]
 
 
 def test_task_specific_checks_come_from_the_task():
@@ -71,9 +75,10 @@ def test_task_specific_checks_come_from_the_task():
       tu.smoke_config().task)
   with pytest.raises(ValueError, match=f"below the {need} tokens"):
     setup_lib.make_setup(tu.smoke_config(**{"rl.max_new_tokens": need - 1}))
-  config = tu.smoke_config(**{"task.name": "polaris"})
+  config = tu.smoke_config()
+  config.task = common.task("polaris", path="polaris.jsonl")
   with pytest.raises(ValueError, match="has no warm-up data"):
     setup_lib.make_setup(config)
-  config = tu.smoke_config(**{"task.name": "polaris", "sft.steps": 0})
+  config.sft.steps = 0
   with pytest.raises(ValueError, match="needs init_from"):
     setup_lib.make_setup(config)

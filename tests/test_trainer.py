@@ -77,7 +77,7 @@ def test_bad_config_value_is_one_line_naming_it(tmp_path):
     ({"rl.overlong": "cut"}, "rl.overlong='cut'"),
     ({"mesh.fsdp": 3}, "does not divide"),
     ({"rl.max_new_tokens": 8}, "rl.max_new_tokens=8"),
-    # Every numeric range (checks._RANGES), named before any warm-up.
+    # Every numeric range (ba_jax.config.schema), named before any warm-up.
     ({"optim.learning_rate": -1e-4}, r"optim.learning_rate=-0.0001: expected "
      r"finite and > 0"),
     ({"optim.learning_rate": float("nan")}, "optim.learning_rate=nan"),

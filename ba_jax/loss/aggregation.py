@@ -12,9 +12,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-MODES = ("token", "sequence", "dr_grpo", "balanced")
-BA_DENOMINATORS = ("group", "signed")
-BA_SCOPES = ("group", "batch")
+from ba_jax.config import schema
+
+MODES = schema.AGGREGATIONS
+BA_DENOMINATORS = schema.BA_DENOMINATORS
+BA_SCOPES = schema.BA_SCOPES
 
 
 def check_option(name: str, value, valid) -> None:

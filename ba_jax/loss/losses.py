@@ -12,10 +12,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ba_jax.config import schema
 from ba_jax.loss import aggregation as agg
 from ba_jax.loss.aggregation import check_option
 
-KL_TYPES = ("k1", "k2", "k3")
+KL_TYPES = schema.KL_TYPES
 
 
 def clipped_surrogate(logp, old_logp, advantages, *, eps_low: float,

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from ba_jax.config import schema
 from ba_jax.policy import sharding as sharding_lib
 
-IMPLS = ("full", "blockwise", "xla", "cudnn", "splash", "auto")
+IMPLS = schema.ATTENTION_IMPLS
 
 
 def resolve_impl(impl: str, *, head_dim: int, dtype, backend: str | None = None) -> str:

@@ -18,17 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ba_jax.config import schema
 from ba_jax.policy import attention as attention_lib
 from ba_jax.policy import sharding as sharding_lib
 from ba_jax.policy import kv_cache as kv_cache_lib
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = schema.MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_IMPLS = attention_lib.IMPLS
 # What the backward pass keeps of each layer: "none" keeps everything, "full" only the layer input,
 # the others name a `jax.checkpoint_policies` entry (keep matmul outputs, recompute the rest).
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
-                  "nothing_saveable", "everything_saveable")
+REMAT_POLICIES = schema.REMAT_POLICIES
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
 

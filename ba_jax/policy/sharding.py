@@ -21,22 +21,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ba_jax.config import schema
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
-DEFAULT_RULES: tuple = (
-    ("batch", ("data", "fsdp")),
-    ("activation_batch", ("data", "fsdp")),  # rows of the residual stream
-    ("length", None),  # sequence positions of activations; a mesh axis here shards the sequence
-    ("activation_embed", None),  # hidden features of the residual stream
-    ("layers", None),  # the stacked decoder layers' leading axis (scanned, never split)
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("norm", None),
-)
+DEFAULT_RULES: tuple = schema.DEFAULT_SHARDING_RULES
 
 
 def make_mesh(shape: dict, devices: Sequence[jax.Device] | None = None) -> Mesh:

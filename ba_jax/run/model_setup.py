@@ -12,6 +12,7 @@ from typing import Collection
 import jax
 import numpy as np
 
+from ba_jax.config import schema
 from ba_jax.policy import hf
 from ba_jax.policy import model as model_lib
 from ba_jax.policy import sharding as sharding_lib
@@ -20,17 +21,13 @@ from ba_jax.run import paths
 
 # What a checkpoint's config.json decides (ModelConfig.from_hf_dict reads
 # them); every other model field is how to run the model.
-ARCHITECTURE_FIELDS = (
-    "model_type", "vocab_size", "hidden_size", "intermediate_size",
-    "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
-    "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "attention_bias",
-    "qk_norm", "max_position_embeddings", "bos_token_id", "eos_token_id")
+ARCHITECTURE_FIELDS = schema.ARCHITECTURE_KEYS
 
 
-def config_rules(config) -> tuple:
-  """The config's sharding rules as hashable tuples (flags give lists)."""
+def config_rules(rules) -> tuple:
+  """Sharding rules as hashable tuples (flags and JSON give lists)."""
   return tuple((name, tuple(axes) if isinstance(axes, list) else axes)
-               for name, axes in config.sharding_rules)
+               for name, axes in rules)
 
 
 def batch_shards(mesh, rules) -> int:
@@ -40,32 +37,22 @@ def batch_shards(mesh, rules) -> int:
   return int(np.prod([mesh.shape[a] for a in axes]))
 
 
-def make_mesh(config, devices=None) -> jax.sharding.Mesh:
+def make_mesh(mesh: schema.Mesh, devices=None) -> jax.sharding.Mesh:
   try:
-    return sharding_lib.make_mesh(dict(config.mesh), devices)
+    return sharding_lib.make_mesh(dataclasses.asdict(mesh), devices)
   except ValueError as e:
     raise ValueError(f"{e}; set config.mesh to fit, e.g. --config.mesh.data=1 "
                      "--config.mesh.fsdp=4 --config.mesh.tensor=2 on 8 "
                      "devices") from None
 
 
-def _model_fields(config) -> dict:
-  fields = dict(config.model)
-  known = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
-  unknown = sorted(set(fields) - known)
-  if unknown:
-    raise ValueError(f"config.model has fields {unknown} that ModelConfig "
-                     f"does not take; expected some of {sorted(known)}")
-  return fields
-
-
-def runtime_fields(config) -> dict:
-  """The ``config.model`` fields a checkpoint does not decide."""
-  return {k: v for k, v in _model_fields(config).items()
+def runtime_fields(config: schema.RunConfig) -> dict:
+  """The ``model`` section's fields a checkpoint does not decide."""
+  return {k: v for k, v in dataclasses.asdict(config.model).items()
           if k not in ARCHITECTURE_FIELDS}
 
 
-def build_model_config(config, tokenizer=None, *,
+def build_model_config(config: schema.RunConfig, tokenizer=None, *,
                        explicit: Collection[str] = ()
                        ) -> model_lib.ModelConfig:
   """The policy's ModelConfig: ``init_from``'s architecture plus
@@ -75,7 +62,7 @@ def build_model_config(config, tokenizer=None, *,
   an architecture field among them that the checkpoint contradicts is an
   error, the config file's own values simply give way.
   """
-  fields = _model_fields(config)
+  fields = dataclasses.asdict(config.model)
   if config.init_from and (tokenizer is not None or (
       paths.path(config.init_from) / "config.json").is_file()):
     model_config = model_lib.ModelConfig.from_hf_dict(
@@ -92,7 +79,9 @@ def build_model_config(config, tokenizer=None, *,
   else:
     ids = {} if tokenizer is None else dict(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    model_config = model_lib.ModelConfig(**fields, **ids)
+    # The tokenizer's ids where the model section leaves them None.
+    model_config = model_lib.ModelConfig(**{**fields, **{
+        k: v for k, v in ids.items() if fields[k] is None}})
   if tokenizer is not None and model_config.vocab_size < len(tokenizer):
     raise ValueError(f"model.vocab_size={model_config.vocab_size} is smaller "
                      f"than the tokenizer's {len(tokenizer)} tokens")

@@ -11,17 +11,16 @@ stopped, replayed now) are dropped so that each step is logged once.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
+from ba_jax.config import schema
 from ba_jax.run import paths
 
-# Dotted prefixes of the keys a resumed run may change: how the run is
-# executed, not what it computes (the rollout's prefill chunk and cache phases
-# give the same samples; runs saved before those keys existed resume too).
-FREE_KEYS = ("log", "checkpoint", "eval.every", "mesh", "sharding_rules",
-             "stop_after_steps", "model.remat", "rl.prefill_chunk",
-             "rl.cache_phases")
+# The keys a resumed run may change: how the run is executed, not what it
+# computes (the schema's ``free`` keys).
+FREE_KEYS = schema.free_keys()
 CHANGES_FILE = "config_changes.jsonl"
 
 
@@ -45,10 +44,19 @@ def _free(key: str) -> bool:
   return any(key == k or key.startswith(k + ".") for k in FREE_KEYS)
 
 
+def _typed(config: dict) -> dict:
+  """The config with every schema default filled in (a key one side leaves
+  at its default is no change), or as it is when it does not parse."""
+  try:
+    return dataclasses.asdict(schema.parse(config))
+  except ValueError:
+    return config
+
+
 def differences(saved: dict, new: dict) -> dict[str, tuple]:
   """``{key: (saved value, new value)}`` over the experiment's keys (a key
   only one side has shows ``<absent>`` on the other)."""
-  a, b = flatten(saved), flatten(new)
+  a, b = flatten(_typed(saved)), flatten(_typed(new))
   missing = "<absent>"
   return {k: (a.get(k, missing), b.get(k, missing))
           for k in sorted(set(a) | set(b))

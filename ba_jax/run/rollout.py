@@ -17,13 +17,13 @@ import time
 import jax
 import numpy as np
 
+from ba_jax.config import schema
 from ba_jax.loss import advantages as advantages_lib
 from ba_jax.generation import engine as engine_lib
 from ba_jax.policy import kv_cache as kv_cache_lib
 from ba_jax.generation import sampler as sampler_lib
 from ba_jax.policy import sharding as sharding_lib
 
-OVERLONG_MODES = ("none", "mask", "soft")
 
 
 def process_slice(n: int) -> slice:
@@ -66,28 +66,14 @@ class RolloutConfig:
   overlong_penalty: float = 1.0
 
   def __post_init__(self):
-    if self.overlong not in OVERLONG_MODES:
-      raise ValueError(f"rl.overlong={self.overlong!r}: expected one of "
-                       f"{list(OVERLONG_MODES)}")
-    if self.oversample < 1.0:
-      raise ValueError(f"rl.oversample={self.oversample}: expected >= 1 "
-                       "(prompts per dynamic-sampling round / prompts_per_step)")
-    if self.max_slots < 0:
-      raise ValueError(f"rl.max_slots={self.max_slots}: expected >= 0 (0: "
-                       "every row at once)")
-    if not (math.isfinite(self.kv_cache_gib) and self.kv_cache_gib >= 0):
-      raise ValueError(f"rl.kv_cache_gib={self.kv_cache_gib}: expected a finite "
-                       "number >= 0 (GiB per device; 0: unused)")
-    if self.prompts_per_step < 1:
-      raise ValueError(f"rl.prompts_per_step={self.prompts_per_step}: "
-                       "expected >= 1")
+    for f in dataclasses.fields(self):
+      schema.check(f"rl.{f.name}", getattr(self, f.name))
 
   @classmethod
-  def from_config(cls, rl) -> "RolloutConfig":
-    """The fields of ``rl`` this dataclass has (the rest are the step's); a
-    field an older run's saved config lacks keeps its default."""
-    return cls(**{f.name: rl[f.name] for f in dataclasses.fields(cls)
-                  if f.name in rl})
+  def from_section(cls, rl: schema.Rl) -> "RolloutConfig":
+    """The fields of the config's ``rl`` section this dataclass has (the
+    rest are the update's)."""
+    return cls(**{f.name: getattr(rl, f.name) for f in dataclasses.fields(cls)})
 
 
 def decode_slots(rl: RolloutConfig, model_config, *, prompt_len: int, mesh=None,

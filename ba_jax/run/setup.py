@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from ba_jax.config import schema
 from ba_jax.policy import hf
 from ba_jax.policy import model as model_lib
 from ba_jax.policy import sharding as sharding_lib
@@ -33,7 +34,8 @@ from ba_jax.run.model_setup import (ARCHITECTURE_FIELDS, batch_shards, build_mod
 @dataclasses.dataclass
 class Setup:
   """Everything static about a run, built from its config."""
-  config: ml_collections.ConfigDict  # model section = the model built
+  config: ml_collections.ConfigDict  # as written to config.json; model section = the model built
+  cfg: schema.RunConfig  # the same, typed and checked
   mesh: jax.sharding.Mesh
   rules: tuple
   step_cfg: ts.StepConfig
@@ -57,7 +59,8 @@ class Setup:
       if self.tokenizer is None:
         raise ValueError("this setup was built abstract (no tokenizer): it "
                          "has no task")
-      task = tasks.make_task(self.config, self.tokenizer)
+      task = tasks.make_task(self.cfg.task, self.cfg.eval, seed=self.cfg.seed,
+                             tokenizer=self.tokenizer)
       check_split([("held-out problems", len(task.heldout))],
                   self.batch_shards)
       self._task = task
@@ -77,32 +80,32 @@ def make_setup(config, *, abstract: bool = False, devices=None,
     model_config: use this ModelConfig (a restored run's) as it is.
   """
   with config_checks():
-    mesh = make_mesh(config, devices)
-    rules = config_rules(config)
-    step_cfg = validate(config, mesh)
+    cfg = schema.parse(config)
+    mesh = make_mesh(cfg.mesh, devices)
+    rules = config_rules(cfg.sharding_rules)
+    step_cfg = validate(cfg, mesh)
   tokenizer = None
   if not abstract:
-    local = copy.deepcopy(config)
-    with local.unlocked():
-      local.init_from = paths.local(config.init_from)
-    tokenizer = tasks.make_tokenizer(local)
+    tokenizer = tasks.make_tokenizer(cfg.task, paths.local(cfg.init_from))
   with config_checks():
     if model_config is None:
-      model_config = build_model_config(config, tokenizer, explicit=explicit)
+      model_config = build_model_config(cfg, tokenizer, explicit=explicit)
     config = copy.deepcopy(config)
     for key in ARCHITECTURE_FIELDS:
       if key in config.model:
         config.model[key] = getattr(model_config, key)
-    rollout_cfg = rollout.RolloutConfig.from_config(config.rl)
+    cfg = schema.parse(config)
+    rollout_cfg = rollout.RolloutConfig.from_section(cfg.rl)
     rollout_cfg = dataclasses.replace(rollout_cfg, max_slots=rollout.decode_slots(
-        rollout_cfg, model_config, prompt_len=config.task.max_prompt_len,
+        rollout_cfg, model_config, prompt_len=cfg.task.max_prompt_len,
         mesh=mesh, rules=rules))
-    tx = ts.optimizer_from_config(config)
+    rl = cfg.rl
+    tx = ts.optimizer(cfg.optim, rl.steps * rl.ppo_epochs * rl.num_minibatches)
   graphdef, abstract_params = nnx.split(nnx.eval_shape(
       lambda: model_lib.Decoder(model_config, rngs=nnx.Rngs(config.seed))))
   shapes = jax.eval_shape(lambda p: ts.create_state(p, tx), abstract_params)
   state_sharding = ts.tree_shardings(shapes, mesh, rules)
-  return Setup(config, mesh, rules, step_cfg, rollout_cfg, tokenizer,
+  return Setup(config, cfg, mesh, rules, step_cfg, rollout_cfg, tokenizer,
                model_config, graphdef, abstract_params, tx, state_sharding)
 
 
@@ -116,7 +119,7 @@ def abstract_state(setup: Setup):
 def init_params(setup: Setup):
   """Random init (or ``init_from``'s weights in ``model.param_dtype``),
   materialised directly sharded."""
-  c, mc = setup.config, setup.model_config
+  c, mc = setup.cfg, setup.model_config
   if c.init_from:
     # Every runtime field as the run resolved it (the model config, not the
     # raw section), so a field added to ModelConfig needs no edit here.

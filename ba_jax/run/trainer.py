@@ -59,7 +59,7 @@ def evaluate_correct(setup: Setup, params, key) -> dict[str, np.ndarray]:
   problems."""
   if not setup.task.heldout:
     return {}
-  c, model = setup.config, nnx.merge(setup.graphdef, params)
+  c, model = setup.cfg, nnx.merge(setup.graphdef, params)
   common = dict(max_new_tokens=c.rl.max_new_tokens, mesh=setup.mesh,
                 rules=setup.rules, max_slots=setup.rollout_cfg.max_slots,
                 prefill_chunk=setup.rollout_cfg.prefill_chunk,
@@ -111,9 +111,9 @@ class _Run:
     step just done (None during the warm-up)."""
     if self.guard.requested:
       return StopReason.PREEMPTED
-    if self.nonfinite_streak >= self.setup.config.rl.max_nonfinite:
+    if self.nonfinite_streak >= self.setup.cfg.rl.max_nonfinite:
       return StopReason.NONFINITE
-    if step is not None and step == self.setup.config.stop_after_steps:
+    if step is not None and step == self.setup.cfg.stop_after_steps:
       return StopReason.STOP_AFTER_STEPS
     return None
 
@@ -169,7 +169,7 @@ def _start(r: _Run):
   """A fresh run: the run files, the policy, the warm-up, the held-out
   accuracy before RL and the step-0 checkpoint. ``(None, None)`` when
   stopped during the warm-up (it reruns on restart)."""
-  setup, c = r.setup, r.setup.config
+  setup, c = r.setup, r.setup.cfg
   if jax.process_index() == 0:
     write_run_files(r.workdir, setup)
   if c.init_from:
@@ -212,7 +212,7 @@ def _fmt(acc: dict) -> str:
 def _loop(r: _Run, state, meta) -> dict:
   """RL steps from ``state`` until ``rl.steps`` or a stop reason."""
   setup = r.setup
-  c, rl = setup.config, setup.config.rl
+  c, rl = setup.cfg, setup.cfg.rl
   step_fn = ts.jit_train_step(graphdef=setup.graphdef, tx=setup.tx,
                               cfg=setup.step_cfg,
                               state_sharding=setup.state_sharding,

@@ -9,6 +9,7 @@ from flax import nnx
 
 from ba_jax.policy import model as model_lib
 from ba_jax.run import checkpointing, paths
+from ba_jax.config import schema
 from ba_jax.run.model_setup import runtime_fields
 from ba_jax.run.setup import Setup, abstract_state, make_setup
 
@@ -55,7 +56,7 @@ def restore_policy(workdir: str, step: int | None = None, *, mesh_shape=None,
     config.mesh = dict(mesh_shape)
   model_config = model_lib.ModelConfig.from_hf_dict(
       paths.read_json(paths.path(workdir) / "model_config.json"),
-      **runtime_fields(config))
+      **runtime_fields(schema.parse(config)))
   setup = make_setup(config, abstract=True, model_config=model_config)
   ckpt = checkpointing.Checkpointer(workdir, keep=max(config.checkpoint.keep, 1),
                                     async_save=False)

@@ -149,13 +149,13 @@ def dry_run(config, *, devices=None, sample: bool = True,
     config = config.copy_and_resolve_references()
     config.model.scan_unroll = 1
   setup = setup_lib.make_setup(config, abstract=True, devices=devices)
-  mesh, rules, rl = setup.mesh, setup.rules, setup.config.rl
+  mesh, rules, rl = setup.mesh, setup.rules, setup.cfg.rl
   model_config = setup.model_config
   platform = mesh.devices.flat[0].platform
   B, G, T = rl.prompts_per_step, rl.group_size, rl.max_new_tokens
-  N, P = B * G, config.task.max_prompt_len
+  N, P = B * G, setup.cfg.task.max_prompt_len
   state_in = setup_lib.abstract_state(setup)
-  with_ref = config.loss.kl_coef > 0
+  with_ref = setup.cfg.loss.kl_coef > 0
   batch_in = _abstract_batch(N, P, T, mesh, rules, with_ref)
 
   counts = flops_lib.param_counts(setup.abstract_params, model_config)
@@ -258,12 +258,12 @@ def _dry_run_sampler(setup, params_in, platform) -> dict:
   rl = setup.rollout_cfg
   lowered = sampler_lib.lower_sample(
       setup.graphdef, params_in, prompts=rl.prompts_per_step,
-      prompt_len=setup.config.task.max_prompt_len, group_size=rl.group_size,
+      prompt_len=setup.cfg.task.max_prompt_len, group_size=rl.group_size,
       max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
       top_p=rl.top_p, top_k=rl.top_k, mesh=setup.mesh, rules=setup.rules)
   out = _compile(lowered, platform)
   out["prompt_bucket"] = sampler_lib.bucket_length(
-      setup.config.task.max_prompt_len)
+      setup.cfg.task.max_prompt_len)
   return out
 
 
@@ -284,7 +284,7 @@ def _dry_run_engine(setup, params_in, platform, resident: int) -> dict:
   rl, c = setup.rollout_cfg, setup.model_config
   mesh, rules = setup.mesh, setup.rules
   slots = rl.max_slots * jax.process_count()
-  bucket = sampler_lib.bucket_length(setup.config.task.max_prompt_len)
+  bucket = sampler_lib.bucket_length(setup.cfg.task.max_prompt_len)
   length = engine_lib.cache_length(bucket, rl.max_new_tokens, rl.prefill_chunk)
   # XLA:CPU has no bfloat16 scatter or dynamic-update-slice: it would write
   # a bfloat16 cache through float32 copies of its keys and values (convert,

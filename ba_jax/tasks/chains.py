@@ -37,6 +37,7 @@ import numpy as np
 
 from ba_jax.tasks import synthetic
 from ba_jax.tasks.synthetic import Problem, build_tokenizer  # noqa: F401 -- this task's too
+from ba_jax.config import schema
 
 NAME = "synthetic_chains"
 RULES = ("answer", "min_count", "max_count", "min_chains", "max_chains")
@@ -190,18 +191,11 @@ def max_response_tokens(task: ChainsConfig) -> int:
           + task.max_terms + 1 + 1)
 
 
-TRAINER_KEYS = ("name", "grader", "max_prompt_len")
-
-
 def config_from(task_cfg) -> ChainsConfig:
-  """A ``ChainsConfig`` from the config's ``task`` section (``TRAINER_KEYS``
-  are the trainer's; any other key is a typo)."""
-  fields = [f.name for f in dataclasses.fields(ChainsConfig)]
-  unknown = sorted(set(task_cfg.keys()) - set(fields) - set(TRAINER_KEYS))
-  if unknown:
-    raise ValueError(f"task section has unknown key(s) {unknown} for task.name={NAME!r}; "
-                     f"expected {fields + list(TRAINER_KEYS)}")
-  return ChainsConfig(**{k: task_cfg[k] for k in fields if k in task_cfg})
+  """A ``ChainsConfig`` from the config's ``task`` section."""
+  return ChainsConfig(**{f.name: getattr(task_cfg, f.name)
+                         for f in dataclasses.fields(ChainsConfig)
+                         if hasattr(task_cfg, f.name)})
 
 
 class ChainsTask(synthetic.SyntheticTask):
@@ -210,12 +204,13 @@ class ChainsTask(synthetic.SyntheticTask):
   module's."""
 
   name = NAME
+  section = schema.ChainsTask  # the task section's keys
   has_warmup = True
 
   def __init__(self, task_cfg, *, seed: int, tokenizer, max_prompt_len: int,
                num_heldout: int, grader: str = "builtin"):
-    if task_cfg["name"] != NAME:
-      raise ValueError(f"task.name={task_cfg['name']!r}: expected {NAME!r}")
+    if task_cfg.name != NAME:
+      raise ValueError(f"task.name={task_cfg.name!r}: expected {NAME!r}")
     if grader != "builtin":
       raise ValueError(f"task.grader={grader!r}: expected 'builtin' (the "
                        "chain rules check more than ba_jax.tasks.rewards' answer)")

@@ -28,7 +28,8 @@ def _load(task_cfg):
 
 class DatasetTask:
   """Prompts from a math dataset, held-out problems from benchmarks; no
-  warm-up data. Registered as each of ``LOADERS``."""
+  warm-up data. Registered as each of ``LOADERS``, with that loader's
+  section (``schema.DapoMathTask``, ``schema.PolarisTask``)."""
 
   has_warmup = False
 
@@ -60,7 +61,7 @@ class DatasetTask:
   def _load_heldout(self, eval_cfg) -> list:
     """The held-out problems: the config's evaluation benchmarks."""
     heldout = []
-    names = [b for b in str(eval_cfg.get("benchmarks", "")).split(",") if b]
+    names = [b for b in eval_cfg.benchmarks.split(",") if b]
     for name in names:
       bench = data_lib.load_eval_set(name, eval_cfg.data_dir)
       n = eval_cfg.num_problems or len(bench)
@@ -68,13 +69,13 @@ class DatasetTask:
     return heldout
 
   @classmethod
-  def from_config(cls, config, tokenizer) -> "DatasetTask":
-    return cls(config.task, config.eval, seed=config.seed,
-               tokenizer=tokenizer, max_prompt_len=config.task.max_prompt_len)
+  def from_section(cls, task, eval, *, seed: int, tokenizer) -> "DatasetTask":
+    return cls(task, eval, seed=seed, tokenizer=tokenizer,
+               max_prompt_len=task.max_prompt_len)
 
   @staticmethod
-  def build_tokenizer(config):
-    del config  # the policy's own (init_from) tokenizer
+  def build_tokenizer(task):
+    del task  # the policy's own (init_from) tokenizer
     return None
 
   @staticmethod

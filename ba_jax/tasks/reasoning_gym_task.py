@@ -19,40 +19,24 @@ import re
 import ml_collections
 import numpy as np
 
+from ba_jax.config import schema
 from ba_jax.tasks import dataset_task
 
 NAME = "reasoning_gym"
 # "tags": the last <answer>...</answer> (reasoning-gym's own format and
 # extractor); "last_number": the last number in the response; "last_line":
 # the last non-empty line; "full": the whole response, stripped.
-ANSWER_RULES = ("tags", "last_number", "last_line", "full")
+ANSWER_RULES = schema.ANSWER_RULES
 # An integer, decimal or fraction, with an optional sign; thousands commas
 # are dropped before matching.
 _NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 
 
 def section(**fields) -> ml_collections.ConfigDict:
-  """A ``task`` section for this task: ``fields`` over the defaults."""
-  out = ml_collections.ConfigDict(dict(
-      name=NAME,
-      # A reasoning-gym dataset name, or a weighted mix "name:weight,...".
-      datasets="basic_arithmetic",
-      # Difficulty settings per dataset: {name: {key: value}} (the dataset's
-      # own config fields, e.g. basic_arithmetic's min_terms, max_digits).
-      dataset_config=ml_collections.ConfigDict({"basic_arithmetic": {}}),
-      train_seed=1,  # training problems' generator seed
-      heldout_seed=2,  # held-out problems' seed (eval.num_problems of them)
-      train_size=4096,  # training pool; problems repeat in a new order per epoch
-      # System prompt: "" (none), a key of reasoning_gym.utils.SYSTEM_PROMPTS
-      # ("default" asks for <answer> tags), or the text itself.
-      system_prompt="default",
-      instruction="",  # appended to every question (after a space)
-      chat_template=True,  # wrap the prompt in the tokenizer's chat template
-      answer_rule="tags",  # one of ANSWER_RULES
-      max_prompt_len=256,  # prompt tokens, left-padded (static shape)
-  ))
-  out.update(fields)
-  return out
+  """A ``task`` section for this task: ``fields`` over the schema's defaults
+  (``ba_jax.config.schema.ReasoningGymTask``)."""
+  return ml_collections.ConfigDict({**schema.defaults(schema.ReasoningGymTask),
+                                    **fields})
 
 
 def _import():
@@ -91,7 +75,8 @@ def parse_mix(datasets: str) -> list[tuple[str, float]]:
 def _dataset_kwargs(task_cfg, mix) -> dict[str, dict]:
   """Each dataset's difficulty settings, keys checked against its config."""
   from reasoning_gym import factory
-  given = task_cfg.dataset_config.to_dict() if task_cfg.dataset_config else {}
+  given = task_cfg.dataset_config or {}
+  given = given.to_dict() if hasattr(given, "to_dict") else dict(given)
   names = [n for n, _ in mix]
   stray = sorted(set(given) - set(names))
   if stray:
@@ -150,6 +135,8 @@ class ReasoningGymTask(dataset_task.DatasetTask):
   """Training problems from ``task.train_seed``, held-out ones from
   ``task.heldout_seed`` (training problems whose question is held out are
   dropped, so the two never share a question); no warm-up data."""
+
+  section = schema.ReasoningGymTask  # the task section's keys
 
   def __init__(self, task_cfg, eval_cfg, *, seed: int, tokenizer,
                max_prompt_len: int):

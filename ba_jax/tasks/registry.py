@@ -16,10 +16,12 @@ alone resumes the stream.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
 
+from ba_jax.config import schema
 from ba_jax.tasks import chains
 from ba_jax.tasks import dataset_task
 from ba_jax.tasks import reasoning_gym_task
@@ -41,15 +43,16 @@ class Task(Protocol):
   eos_id: int
 
   @classmethod
-  def from_config(cls, config, tokenizer) -> "Task":
-    """The task of a run config (its ``task``, ``eval`` and ``seed``)."""
+  def from_section(cls, task: Any, eval: Any, *, seed: int, tokenizer) -> "Task":
+    """The task of a run config's typed ``task`` and ``eval`` sections
+    (``ba_jax.config.schema``) and its ``seed``."""
 
   @staticmethod
-  def build_tokenizer(config) -> Any:
+  def build_tokenizer(task: Any) -> Any:
     """The task's own tokenizer, or None to use ``init_from``'s."""
 
   @staticmethod
-  def max_warmup_response_tokens(task_cfg) -> int:
+  def max_warmup_response_tokens(task: Any) -> int:
     """An upper bound on a warm-up response's tokens, EOS included (0 when
     the task has no warm-up data)."""
 
@@ -77,14 +80,22 @@ class Task(Protocol):
 _REGISTRY: dict[str, type] = {}
 
 
-def register(task_class: type, *names: str) -> type:
+def register(task_class: type, *names: str, section: type | None = None) -> type:
   """Makes ``task_class`` the task of ``task.name`` ``task_class.name`` (or
-  of each of ``names``); returns it, so it also works as a decorator."""
+  of each of ``names``), with ``section`` (default ``task_class.section``),
+  the frozen dataclass of its config keys, as its schema
+  (``ba_jax.config.schema.TASK_SECTIONS``); returns the class, so it also
+  works as a decorator."""
+  section = section or getattr(task_class, "section", None)
+  if not dataclasses.is_dataclass(section):
+    raise ValueError(f"{task_class.__name__}: a task needs its config section's "
+                     "dataclass (a ``section`` class attribute or argument)")
   for name in names or (task_class.name,):
     if name in _REGISTRY and _REGISTRY[name] is not task_class:
       raise ValueError(f"task name {name!r} is already registered to "
                        f"{_REGISTRY[name].__name__}")
     _REGISTRY[name] = task_class
+    schema.TASK_SECTIONS[name] = section
   return task_class
 
 
@@ -99,24 +110,28 @@ def task_class(name: str) -> type:
   return _REGISTRY[name]
 
 
-def make_tokenizer(config):
-  """The task's own tokenizer, else the one saved with ``init_from``."""
-  tokenizer = task_class(config.task.name).build_tokenizer(config)
+def make_tokenizer(task, init_from: str = ""):
+  """The task's own tokenizer, else the one saved in the local Hugging Face
+  directory ``init_from``."""
+  tokenizer = task_class(task.name).build_tokenizer(task)
   if tokenizer is not None:
     return tokenizer
-  if not config.init_from:
-    raise ValueError(f"task.name={config.task.name!r} needs init_from, a "
+  if not init_from:
+    raise ValueError(f"task.name={task.name!r} needs init_from, a "
                      "Hugging Face directory with the policy's tokenizer")
   from transformers import AutoTokenizer
-  return AutoTokenizer.from_pretrained(config.init_from)
+  return AutoTokenizer.from_pretrained(init_from)
 
 
-def make_task(config, tokenizer) -> Task:
-  """The task named by ``config.task.name``, built from the config."""
-  return task_class(config.task.name).from_config(config, tokenizer)
+def make_task(task, eval, *, seed: int, tokenizer) -> Task:
+  """The task named by ``task.name``, from the config's typed ``task`` and
+  ``eval`` sections."""
+  return task_class(task.name).from_section(task, eval, seed=seed,
+                                            tokenizer=tokenizer)
 
 
 register(synthetic.SyntheticTask)
 register(chains.ChainsTask)
-register(dataset_task.DatasetTask, *dataset_task.LOADERS)
+register(dataset_task.DatasetTask, "dapo_math17k", section=schema.DapoMathTask)
+register(dataset_task.DatasetTask, "polaris", section=schema.PolarisTask)
 register(reasoning_gym_task.ReasoningGymTask, reasoning_gym_task.NAME)

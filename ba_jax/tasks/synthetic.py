@@ -28,6 +28,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from ba_jax.config import schema
+
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 SCRATCH = "~"
 CHARACTERS = "0123456789+=, :~Answer"
@@ -166,6 +168,7 @@ class SyntheticTask:
     held-out ones are never drawn for training."""
 
     name = "synthetic_sum"
+    section = schema.SyntheticSumTask  # the task section's keys
     has_warmup = True
 
     def __init__(self, task_cfg, *, seed: int, tokenizer, max_prompt_len: int,
@@ -183,15 +186,14 @@ class SyntheticTask:
         self.eos_id = tokenizer.eos_token_id
 
     @classmethod
-    def from_config(cls, config, tokenizer) -> "SyntheticTask":
-        return cls(config.task, seed=config.seed, tokenizer=tokenizer,
-                   max_prompt_len=config.task.max_prompt_len,
-                   num_heldout=config.eval.num_problems,
-                   grader=config.task.grader)
+    def from_section(cls, task, eval, *, seed: int, tokenizer) -> "SyntheticTask":
+        return cls(task, seed=seed, tokenizer=tokenizer,
+                   max_prompt_len=task.max_prompt_len,
+                   num_heldout=eval.num_problems, grader=task.grader)
 
     @staticmethod
-    def build_tokenizer(config) -> PreTrainedTokenizerFast:
-        del config  # one tokenizer for every variant
+    def build_tokenizer(task) -> PreTrainedTokenizerFast:
+        del task  # one tokenizer for every variant
         return build_tokenizer()
 
     @staticmethod
@@ -264,5 +266,5 @@ class SyntheticTask:
 
 def task_config(task_cfg) -> TaskConfig:
     """The generator's fields of a config's ``task`` section."""
-    return TaskConfig(**{f.name: task_cfg[f.name]
+    return TaskConfig(**{f.name: getattr(task_cfg, f.name)
                          for f in dataclasses.fields(TaskConfig)})

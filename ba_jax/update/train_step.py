@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from ba_jax.config import schema
 from ba_jax.loss import aggregation as agg
 from ba_jax.loss import losses
 from ba_jax.update import microbatch
@@ -40,6 +41,19 @@ class TrainState:
   params: Any  # nnx.State of the policy's nnx.Param variables
   opt_state: Any  # optax state for params
   nonfinite: jax.Array  # int32 scalar: skipped mini-batch updates in total
+
+
+# StepConfig's fields -> the config keys whose schema entries check them.
+SCHEMA_KEYS = {
+    "group_size": "rl.group_size", "aggregation": "loss.aggregation",
+    "eps_low": "loss.eps_low", "eps_high": "loss.eps_high",
+    "dual_clip": "loss.dual_clip", "kl_coef": "loss.kl_coef",
+    "kl_type": "loss.kl_type", "entropy_coef": "loss.entropy_coef",
+    "reg_aggregation": "loss.reg_aggregation",
+    "max_response_len": "loss.max_response_len",
+    "ba_denominator": "loss.ba_denominator", "ba_scope": "loss.ba_scope",
+    "ppo_epochs": "rl.ppo_epochs", "num_minibatches": "rl.num_minibatches",
+    "num_microbatches": "rl.num_microbatches", "temperature": "rl.temperature"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,21 +77,10 @@ class StepConfig:
   temperature: float = 1.0
 
   def __post_init__(self):
-    agg.check_option("loss.aggregation", self.aggregation, agg.MODES)
-    agg.check_option("loss.reg_aggregation", self.reg_aggregation, agg.MODES)
-    agg.check_option("loss.ba_denominator", self.ba_denominator,
-                     agg.BA_DENOMINATORS)
-    agg.check_option("loss.ba_scope", self.ba_scope, agg.BA_SCOPES)
-    agg.check_option("loss.kl_type", self.kl_type, losses.KL_TYPES)
-    for name in ("group_size", "ppo_epochs", "num_minibatches",
-                 "num_microbatches"):
+    for name, dotted in SCHEMA_KEYS.items():
       value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r}: expected a positive int")
-    if self.temperature <= 0:
-      raise ValueError(f"rl.temperature={self.temperature}: the loss scores "
-                       "responses at the sampling temperature, which must be "
-                       "> 0 for training")
+      if name != "max_response_len" or value is not None:
+        schema.check(dotted, value)
 
   def check_batch(self, num_rows: int, data_shards: int = 1) -> None:
     """Raises if ``num_rows`` does not split into groups, mini/micro-batches
@@ -268,12 +271,12 @@ def make_optimizer(*, learning_rate: float, warmup_steps: int,
   return optax.chain(*parts)
 
 
-def optimizer_from_config(config) -> optax.GradientTransformation:
-  """``make_optimizer`` from a run config's ``optim`` and ``rl`` sections."""
-  rl, optim = config.rl, config.optim
+def optimizer(optim: schema.Optim, total_updates: int) -> optax.GradientTransformation:
+  """``make_optimizer`` from the config's ``optim`` section, for a run of
+  ``total_updates`` optimizer updates."""
   return make_optimizer(
       learning_rate=optim.learning_rate, warmup_steps=optim.warmup_steps,
-      total_steps=rl.steps * rl.ppo_epochs * rl.num_minibatches,
+      total_steps=total_updates,
       schedule=optim.schedule, end_lr_frac=optim.end_lr_frac,
       weight_decay=optim.weight_decay, b1=optim.b1, b2=optim.b2,
       eps=optim.eps, grad_clip=optim.grad_clip)

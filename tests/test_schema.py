@@ -1,0 +1,165 @@
+"""The config schema (``ba_jax.config.schema``): one place for every key."""
+import contextlib
+import dataclasses
+import io
+import pathlib
+import runpy
+
+import pytest
+
+from ba_jax import train
+from ba_jax.config import common, schema
+from ba_jax.policy import model as model_lib
+from ba_jax.run import resume, rollout
+from ba_jax.tasks import registry
+from ba_jax.update import train_step as ts
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Every config file with every variant it documents (a key a config sets
+# that the schema lacks fails here).
+CONFIGS = {
+    "tiny": ["", "smoke", "agg=token", "gap=-6"],
+    "chains": ["", "smoke", "quick", "big", "spread=low,gap=neg", "lr=1e-3"],
+    "qwen25_math_7b_dapo17k": ["", "runlocal", "agg=sequence", "param_dtype=bfloat16"],
+    "qwen3_1p7b_polaris": ["", "runlocal", "agg=dr_grpo"],
+    "smollm2_reasoning_gym": ["", "runlocal", "agg=token"],
+}
+
+
+def _load(name, variant):
+  module = runpy.run_path(str(ROOT / "configs" / f"{name}.py"))
+  return module["get_config"](variant or None)
+
+
+@pytest.mark.parametrize("name,variant", [(n, v) for n, vs in CONFIGS.items() for v in vs])
+def test_every_config_and_variant_parses(name, variant):
+  config = _load(name, variant)
+  cfg = schema.parse(config)
+  assert isinstance(cfg.task, schema.TASK_SECTIONS[config.task.name])
+  # Every key the file sets survives, typed.
+  for section, values in config.to_dict().items():
+    if isinstance(values, dict) and section != "task":
+      for key, value in values.items():
+        got = getattr(getattr(cfg, section), key)
+        assert got == (tuple(value) if isinstance(value, list) else value), (section, key)
+
+
+def test_every_config_file_is_covered():
+  assert sorted(p.stem for p in (ROOT / "configs").glob("*.py")) == sorted(CONFIGS)
+
+
+def test_a_key_without_a_schema_entry_is_an_error():
+  config = _load("tiny", "smoke")
+  with config.unlocked():
+    config.rl.new_knob = 3
+  with pytest.raises(ValueError, match=r"rl.new_knob: unknown key .*'group_size'"):
+    schema.parse(config)
+  config = _load("tiny", "smoke")
+  with config.unlocked():
+    config.task.chain_counts = "1,2"  # a chains key on the synthetic task
+  with pytest.raises(ValueError, match=r"task.chain_counts: unknown key"):
+    schema.parse(config)
+  with pytest.raises(ValueError, match=r"^typo: unknown key"):
+    schema.parse({"typo": 1})
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("rl.group_size", 1, r"rl.group_size=1: expected >= 2 \(with one response"),
+    ("rl.temperature", 0.0, r"rl.temperature=0.0: expected > 0"),
+    ("rl.temperature", float("nan"), r"rl.temperature=nan: expected > 0"),
+    ("rl.top_p", 2, r"rl.top_p=2: expected in \(0, 1\]"),
+    ("loss.aggregation", "mean", r"loss.aggregation='mean': expected one of \['token'"),
+    ("loss.eps_low", 1.0, r"loss.eps_low=1.0: expected in \[0, 1\)"),
+    ("loss.dual_clip", 0.5, r"loss.dual_clip=0.5: expected > 1"),
+    ("rl.steps", "ten", r"rl.steps='ten': expected int"),
+    ("rl.steps", True, r"rl.steps=True: expected int"),
+    ("rl.steps", 2.5, r"rl.steps=2.5: expected int"),
+    ("optim.learning_rate", "1e-4", r"optim.learning_rate='1e-4': expected float"),
+    ("checkpoint.async_save", 1, r"checkpoint.async_save=1: expected bool"),
+])
+def test_values_are_checked_by_type_range_and_choices(key, value, match):
+  with pytest.raises(ValueError, match=match):
+    schema.check(key, value)
+  section, name = key.split(".")
+  with pytest.raises(ValueError, match=match):
+    schema.parse({section: {name: value}})
+
+
+def test_types_are_coerced_where_lossless():
+  assert schema.check("optim.learning_rate", 1) == 1.0
+  assert isinstance(schema.check("optim.learning_rate", 1), float)
+  assert schema.check("loss.dual_clip", None) is None
+  cfg = schema.parse({"sharding_rules": [["batch", ["data", "fsdp"]]]})
+  assert cfg.sharding_rules == (("batch", ("data", "fsdp")),)
+
+
+def test_lower_typed_configs_check_through_the_schema():
+  with pytest.raises(ValueError, match=r"rl.group_size=1: expected >= 2"):
+    ts.StepConfig(group_size=1)
+  with pytest.raises(ValueError, match=r"loss.kl_type='k4': expected one of"):
+    ts.StepConfig(group_size=2, kl_type="k4")
+  with pytest.raises(ValueError, match=r"rl.oversample=0.5: expected >= 1"):
+    rollout.RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=4,
+                          oversample=0.5)
+  rl = schema.parse({}).rl
+  assert rollout.RolloutConfig.from_section(rl).group_size == rl.group_size
+  assert set(ts.SCHEMA_KEYS) == {f.name for f in dataclasses.fields(ts.StepConfig)}
+
+
+def test_model_section_is_model_config():
+  assert ([f.name for f in dataclasses.fields(schema.Model)]
+          == [f.name for f in dataclasses.fields(model_lib.ModelConfig)])
+  assert set(schema.ARCHITECTURE_KEYS) < {f.name for f in dataclasses.fields(schema.Model)}
+
+
+def test_every_registered_task_has_its_section():
+  for name in registry.names():
+    assert name in schema.TASK_SECTIONS
+    assert schema.TASK_SECTIONS[name]().name == name
+
+
+def test_common_sections_are_the_schema_defaults():
+  c = common.base()
+  for name, cls in schema.SECTIONS.items():
+    if name != "model":
+      assert c[name].to_dict() == schema.defaults(cls), name
+  assert schema.parse(c) == dataclasses.replace(schema.RunConfig())
+  with pytest.raises(ValueError, match="task.name='nope'"):
+    common.task("nope")
+
+
+def test_resume_rules_come_from_the_schema():
+  assert resume.FREE_KEYS == schema.free_keys()
+  assert {"mesh.data", "log.progress_bar", "eval.every", "model.remat",
+          "checkpoint.every"} <= set(resume.FREE_KEYS)
+  assert not {"rl.steps", "loss.aggregation", "seed", "eval.num_problems"} & set(resume.FREE_KEYS)
+  base = common.base().to_dict()
+  # A key left at its default on one side and absent on the other is no change.
+  absent = {k: v for k, v in base.items()}
+  absent["eval"] = {k: v for k, v in base["eval"].items() if k != "benchmarks"}
+  assert resume.differences(base, absent) == {}
+  changed = dict(base, rl=dict(base["rl"], steps=7))
+  assert resume.differences(base, changed) == {"rl.steps": (60, 7)}
+
+
+def test_helpconfig_prints_the_schema():
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+    train.parse_flags(["train", "--helpconfig"])
+  assert exit_info.value.code == 0
+  text = out.getvalue()
+  assert text == schema.help_text() + "\n"
+  printed = [line.split(" = ")[0].strip() for line in text.splitlines()
+             if line.startswith("  ") and not line.startswith("   ")]
+  expected = [row[0] for row in schema.rows(schema.RunConfig)]
+  for name, cls in schema.SECTIONS.items():
+    expected += [row[0] for row in schema.rows(cls, f"{name}.")]
+  for cls in schema.TASK_SECTIONS.values():
+    expected += [row[0] for row in schema.rows(cls, "task.")]
+  assert printed == expected
+  for dotted, default, allowed, doc in schema.rows(schema.Rl, "rl."):
+    assert f"  {dotted} = {default}" in text and doc in text
+    if allowed:
+      assert f"({allowed})" in text
+  assert "rl.group_size = 8  (>= 2 (with one response" in text
+  assert "[resume may change]" in text
