@@ -21,24 +21,12 @@ in a group. The warm-up traces do not depend on the rule (only their grades
 do), so every gap of one spread shares its warm-up: experiments/
 grid_aggregation.py warms up once per (spread, seed).
 
-The rules are the COUNT rules (the answer, the last chain and the number of
-chains; ba_jax/tasks/chains.py says why), not the chain rules that also check every
-chain's arithmetic. With the chain rules a small policy's long responses had
-more chains to get wrong, so on its own samples the correct responses were
-the short ones even under ``min_chains:2``, and only 1-8% were correct
-(experiments/results/chains_length_check.md). ``--config.task.rule=
-min_chains:2`` still runs them.
-
-Numbers are drawn from 1..5 (``max_value``), not 1..9: a ~1M-parameter
-policy after 400 warm-up steps on 9-valued problems got only ~23% of answers
-right, the partial sums being the bottleneck
-(experiments/results/chains_warmup_probe_*.json); smaller numbers keep most
-values single-digit.
-
-Sizes: the grid runs 10 warm-ups and 120 RL runs on 2 CPU cores in about an
-hour, which a ~1M-parameter policy does not fit (its warm-up alone took ~14
-minutes for 400 steps on a loaded machine); the default policy is smaller
-(``MODEL``) and the RL runs short. ``big`` gives the ~1M-parameter policy.
+The rules are count rules (the answer, the last chain and the number of
+chains); ``--config.task.rule=min_chains:2`` gives a chain rule, which also
+checks every chain's arithmetic. Numbers are drawn from 1..5 so that most
+partial sums stay single digits; ``big`` gives a ~1M-parameter policy
+(``MODEL`` is smaller, so the grid fits its time budget). The study's
+reasoning for these choices: experiments/results/grid/README.md.
 """
 import os
 import runpy

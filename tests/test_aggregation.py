@@ -1,4 +1,4 @@
-"""Aggregation weights against loop references and the identities of DESIGN.md."""
+"""Aggregation weights against loop references and the identities of docs/aggregation.md."""
 
 import functools
 
@@ -15,7 +15,7 @@ MODES = agg.MODES
 
 def reference_loss(values, mask, adv, *, mode, group_size, max_len=None,
                    ba_denominator="group", ba_scope="group"):
-  """DESIGN.md section 1 written as loops over sequences and tokens."""
+  """docs/aggregation.md's rules written as loops over sequences and tokens."""
   values, mask, adv = map(np.asarray, (values, mask, adv))
   n_seq, t_len = mask.shape
   lengths = [sum(mask[n, t] for t in range(t_len)) for n in range(n_seq)]

@@ -36,7 +36,7 @@ def test_kl_estimators():
 
 
 def _balanced_closed_form(lengths, adv, group_size, t_len):
-  """w[n, t] = m * |S| / (T_S * N) per DESIGN.md, written with numpy."""
+  """w[n, t] = m * |S| / (T_S * N) per docs/aggregation.md, written with numpy."""
   n = len(lengths)
   w = np.zeros((n, t_len))
   for g in range(0, n, group_size):

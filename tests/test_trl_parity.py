@@ -19,7 +19,7 @@ Where TRL's definition differs from ours, and what is checked instead:
   i.e. by the average token count of an optimizer step; `grpo` and `dr_grpo`
   take the mean over the micro-batch's own rows, divided by the accumulation
   steps, and DDP averages processes. We weight by the optimizer step's
-  (mini-batch's) own counts, computed once before any split (DESIGN.md 1).
+  (mini-batch's) own counts, computed once before any split (docs/aggregation.md).
   They agree whenever micro-batches have equal row counts (TRL splits them so)
   and, for `dapo`, when one generation batch is one optimizer step
   (`steps_per_generation == gradient_accumulation_steps`, TRL's default); with

@@ -22,7 +22,7 @@ from ba_jax.run import paths
 
 def rollout_stats(rewards_N, correct_N, advantages_N, mask_NxT, truncated_N,
                   group_size: int) -> dict[str, float]:
-  """Reward, accuracy and the length diagnostics of DESIGN.md section 1
+  """Reward, accuracy and the length diagnostics of docs/aggregation.md
   (``aggregation.length_diagnostics``: NaN where undefined)."""
   rewards_N = np.asarray(rewards_N, np.float64)
   lengths_N = np.asarray(mask_NxT).sum(-1).astype(np.float64)

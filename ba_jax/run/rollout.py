@@ -1,6 +1,6 @@
 """Rollouts for the trainer: prompts -> G samples -> rewards -> advantages.
 
-Host-side half of a GRPO step (DESIGN.md section 2). The task
+Host-side half of a GRPO step. The task
 (``ba_jax.tasks.registry.Task``) feeds prompts and grades responses; ``collect`` runs the sampler, the rewards and
 the options around them (DAPO dynamic sampling, overlong masking or soft
 penalty) and returns this process's rows as numpy arrays. With several

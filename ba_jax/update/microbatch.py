@@ -2,7 +2,7 @@
 
 Aggregation weights are computed once on the whole PPO mini-batch; each
 micro-batch then contributes ``sum(w * l)`` and the parts are summed, never
-averaged again (DESIGN.md section 1). So the loss and the gradient do not
+averaged again (docs/aggregation.md). So the loss and the gradient do not
 depend on how many micro-batches the mini-batch is split into.
 """
 

@@ -4,7 +4,7 @@
 parameters and optimizer state and a batch of scored rollouts and returns the
 updated state and device metrics. Everything static (the model graph, the
 optimizer, the aggregation mode and its options) is bound before ``jax.jit``,
-so one compiled program serves the whole run (DESIGN.md section 2).
+so one compiled program serves the whole run.
 
 Aggregation weights are computed once per PPO mini-batch, before the
 mini-batch is split into micro-batches, so the update does not depend on how
