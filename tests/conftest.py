@@ -1,7 +1,15 @@
-"""Test setup: eight fake CPU devices, set before JAX is first imported."""
+"""Test setup, before JAX is first imported: eight fake CPU devices, offline
+Hugging Face libraries, and one persistent XLA compilation cache shared by
+every test and the processes the tests start (their environment inherits
+these variables), so a program compiled once is loaded after that."""
 import os
+import pathlib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(
+    pathlib.Path(__file__).resolve().parents[1] / ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")

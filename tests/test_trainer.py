@@ -62,7 +62,7 @@ def test_bad_config_value_is_one_line_naming_it(tmp_path):
                        f"--workdir={tmp_path}", "--config.model.remat=some"],
                       timeout=120)
   assert out.returncode == 2, out.stderr[-2000:]
-  assert out.stderr.strip().startswith("error: remat='some' is not supported"), (
+  assert out.stderr.strip().startswith("error: model.remat='some': expected one of"), (
       out.stderr[-2000:])
   assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
   assert not os.listdir(tmp_path)  # nothing ran
@@ -78,22 +78,21 @@ def test_bad_config_value_is_one_line_naming_it(tmp_path):
     ({"mesh.fsdp": 3}, "does not divide"),
     ({"rl.max_new_tokens": 8}, "rl.max_new_tokens=8"),
     # Every numeric range (ba_jax.config.schema), named before any warm-up.
-    ({"optim.learning_rate": -1e-4}, r"optim.learning_rate=-0.0001: expected "
-     r"finite and > 0"),
+    ({"optim.learning_rate": -1e-4}, r"optim.learning_rate=-0.0001: expected > 0"),
     ({"optim.learning_rate": float("nan")}, "optim.learning_rate=nan"),
     ({"sft.learning_rate": -3e-3}, "sft.learning_rate=-0.003"),
     ({"sft.learning_rate": float("inf")}, "sft.learning_rate=inf"),
     ({"loss.eps_low": -0.1}, r"loss.eps_low=-0.1: expected in \[0, 1\)"),
     ({"loss.eps_low": 1.0}, r"loss.eps_low=1.0: expected in \[0, 1\)"),
     ({"loss.eps_high": -0.2}, "loss.eps_high=-0.2"),
-    ({"loss.dual_clip": 0.5}, "loss.dual_clip=0.5: expected None or > 1"),
+    ({"loss.dual_clip": 0.5}, "loss.dual_clip=0.5: expected > 1"),
     ({"loss.kl_coef": -0.1}, "loss.kl_coef=-0.1"),
     ({"loss.entropy_coef": float("nan")}, "loss.entropy_coef=nan"),
     ({"rl.group_size": 1}, "rl.group_size=1: expected >= 2"),
     ({"rl.top_p": 2.0}, r"rl.top_p=2.0: expected in \(0, 1\]"),
     ({"rl.top_p": 0.0}, "rl.top_p=0.0"),
     ({"rl.top_k": -1}, "rl.top_k=-1"),
-    ({"rl.temperature": 0.0}, "rl.temperature=0.0: expected finite and > 0"),
+    ({"rl.temperature": 0.0}, "rl.temperature=0.0: expected > 0"),
     ({"eval.temperature": -1.0}, "eval.temperature=-1.0"),
     ({"rl.max_new_tokens": 0}, "rl.max_new_tokens=0: expected >= 1"),
     ({"task.max_prompt_len": 0}, "task.max_prompt_len=0"),
@@ -102,8 +101,8 @@ def test_bad_config_value_is_one_line_naming_it(tmp_path):
     ({"optim.grad_clip": -1.0}, "optim.grad_clip=-1.0"),
     ({"checkpoint.keep": 0}, "checkpoint.keep=0"),
     ({"rl.kv_cache_gib": -1.0}, "rl.kv_cache_gib=-1.0"),
-    ({"rl.cache_phases": -1}, r"rl.cache_phases=-1: expected an int >= 0 \(0 = the backend's default\)"),
-    ({"rl.prefill_chunk": -2}, r"rl.prefill_chunk=-2: expected an int >= 0"),
+    ({"rl.cache_phases": -1}, r"rl.cache_phases=-1: expected >= 0"),
+    ({"rl.prefill_chunk": -2}, r"rl.prefill_chunk=-2: expected >= 0"),
     ({"rl.kv_cache_gib": 1e-9}, "rl.kv_cache_gib=1e-09: .* holds no slot"),
 ])
 def test_bad_config_fails_before_anything_runs(tmp_path, overrides, message):

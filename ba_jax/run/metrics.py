@@ -175,6 +175,13 @@ class MetricsLogger:
       for name, value in accuracy.items():
         self._tb.add_scalar(f"eval/{name}", value, step)
 
+  def end_progress(self) -> None:
+    """Closes the progress bar (its line ends), so that what is printed
+    after the RL steps gets lines of its own."""
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
+
   def log_text(self, message: str) -> None:
     if not self.enabled:
       return

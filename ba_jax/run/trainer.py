@@ -278,6 +278,7 @@ def _loop(r: _Run, state, meta) -> dict:
     if reason is not None:
       r.log(f"stopping at step {step} ({reason}); checkpoint saved")
   r.note(logger.flush())
+  logger.end_progress()
   if reason is None:
     reason = r.stop_reason()
     if reason is not None:  # SIGTERM after the last step's checkpoint
