@@ -17,23 +17,37 @@ guard (rl.max_nonfinite).
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/tiny.py", "ml_collections config file", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "run directory (resumes from "
-                               "its checkpoints)", required=True)
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
-                                   "host:port of process 0 (jax.distributed)")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
-                                      "processes in the job (jax.distributed)")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None,
-                                   "this process's index (jax.distributed)")
-_ALLOW_CHANGE = flags.DEFINE_bool(
-    "allow_config_change", False, "resume a workdir even though the config "
-    "changes its experiment (model, loss, rl, task, seed, optim, sft, "
-    "init_from); the change is recorded in config_changes.jsonl")
+
+def _define_flags(fv: flags.FlagValues, argv) -> dict:
+  """The command's flags, defined on ``fv`` (a fresh set per call, so that
+  importing this module defines no global flag); ``argv`` holds the
+  ``--config.*`` overrides."""
+  return dict(
+      config=config_flags.DEFINE_config_file(
+          "config", "configs/tiny.py", "ml_collections config file",
+          lock_config=True, flag_values=fv, sys_argv=argv),
+      workdir=flags.DEFINE_string(
+          "workdir", None, "run directory (resumes from its checkpoints)",
+          flag_values=fv),
+      coordinator=flags.DEFINE_string(
+          "coordinator_address", None,
+          "host:port of process 0 (jax.distributed)", flag_values=fv),
+      num_processes=flags.DEFINE_integer(
+          "num_processes", None, "processes in the job (jax.distributed)",
+          flag_values=fv),
+      process_id=flags.DEFINE_integer(
+          "process_id", None, "this process's index (jax.distributed)",
+          flag_values=fv),
+      allow_change=flags.DEFINE_bool(
+          "allow_config_change", False, "resume a workdir even though the "
+          "config changes its experiment (model, loss, rl, task, seed, optim, "
+          "sft, init_from); the change is recorded in config_changes.jsonl",
+          flag_values=fv),
+  )
+
 
 EXIT_REFUSED = 2
 EXIT_NONFINITE = 3
@@ -50,17 +64,13 @@ def _one_line(error: BaseException) -> str:
   return "; ".join(" ".join(l.split()) for l in text.split("\n") if l.strip())
 
 
-def parse_flags(argv):
-  """absl's parsing, with a bad ``--config.*`` override (ml_collections
-  raises KeyError/AttributeError/TypeError from inside the flag parser, a
-  long chained traceback) turned into one line naming the override.
-  ``--helpconfig`` prints every config key (``schema.help_text``) and exits."""
-  if "--helpconfig" in argv[1:]:
-    from ba_jax.config import schema
-    print(schema.help_text())
-    sys.exit(0)
+def parse_flags(argv, fv: flags.FlagValues):
+  """absl's parsing of ``argv`` into ``fv``, with a bad ``--config.*``
+  override (ml_collections raises KeyError/AttributeError/TypeError from
+  inside the flag parser, a long chained traceback) turned into one line
+  naming the override (``SystemExit`` with that line)."""
   try:
-    return flags.FLAGS(argv)
+    return fv(argv)
   except flags.Error as e:
     sys.exit(f"FATAL Flags parsing error: {_one_line(e)}")
   except (KeyError, AttributeError, TypeError, ValueError) as e:
@@ -73,15 +83,32 @@ def parse_flags(argv):
     sys.exit(f"error: bad config override {name}: {what}{_one_line(e)}")
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main(argv) -> int:
+  """The command on ``argv`` (``argv[0]`` is the program): trains, and
+  returns the exit status. ``--helpconfig`` prints every config key
+  (``schema.help_text``). Bad flags and refused configs end in
+  ``SystemExit`` / a status with one line on stderr."""
+  if "--helpconfig" in argv[1:]:
+    from ba_jax.config import schema
+    print(schema.help_text())
+    return 0
+  fv = flags.FlagValues()
+  f = _define_flags(fv, argv)
+  if {"--help", "-h", "--helpfull"} & set(argv[1:]):
+    print(fv.get_help())
+    return 0
+  rest = parse_flags(argv, fv)
+  if len(rest) > 1:
+    sys.exit(f"FATAL: unexpected arguments: {rest[1:]}")
+  if not f["workdir"].value:
+    sys.exit("FATAL Flags parsing error: flag --workdir=None: Flag --workdir "
+             "must have a value other than None.")
   logging.set_verbosity(logging.WARNING)  # orbax logs every step at INFO
   import jax
-  if _COORDINATOR.value or _NUM_PROCESSES.value:
-    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                               num_processes=_NUM_PROCESSES.value,
-                               process_id=_PROCESS_ID.value)
+  if f["coordinator"].value or f["num_processes"].value:
+    jax.distributed.initialize(coordinator_address=f["coordinator"].value,
+                               num_processes=f["num_processes"].value,
+                               process_id=f["process_id"].value)
   elif os.environ.get("BA_JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()
   from ba_jax.run import checkpointing
@@ -89,21 +116,23 @@ def main(argv):
   from ba_jax.run import resume
   from ba_jax.run import checks
   from ba_jax.run import trainer
-  overrides = config_flags.get_override_values(flags.FLAGS["config"])
+  config = f["config"].value
+  overrides = config_flags.get_override_values(fv["config"])
   try:
-    summary = trainer.run(_CONFIG.value, _WORKDIR.value,
+    summary = trainer.run(config, f["workdir"].value,
                           explicit=set(overrides),
-                          allow_config_change=_ALLOW_CHANGE.value)
+                          allow_config_change=f["allow_change"].value)
   except (resume.ConfigChanged, checkpointing.NoIntactCheckpoint,
           checks.ConfigError, data.DataError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_REFUSED)
+    return EXIT_REFUSED
   if summary.get("stopped") == trainer.StopReason.NONFINITE:
     print(f"error: stopped at step {summary['step']}: rl.max_nonfinite="
-          f"{_CONFIG.value.rl.max_nonfinite} non-finite updates in a row",
+          f"{config.rl.max_nonfinite} non-finite updates in a row",
           file=sys.stderr, flush=True)
-    sys.exit(EXIT_NONFINITE)
+    return EXIT_NONFINITE
+  return 0
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  sys.exit(main(sys.argv))

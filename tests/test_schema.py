@@ -145,7 +145,7 @@ def test_resume_rules_come_from_the_schema():
 def test_helpconfig_prints_the_schema():
   out = io.StringIO()
   with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
-    train.parse_flags(["train", "--helpconfig"])
+    raise SystemExit(train.main(["train", "--helpconfig"]))
   assert exit_info.value.code == 0
   text = out.getvalue()
   assert text == schema.help_text() + "\n"

@@ -44,27 +44,24 @@ def test_smoke_config_runs_end_to_end(tmp_path):
   assert os.listdir(workdir / "tb")  # TensorBoard event file written
 
 
-def test_unknown_config_key_is_one_line_naming_it(tmp_path):
-  out = tu.run_module(["ba_jax.train", "--config=configs/tiny.py:smoke",
-                       f"--workdir={tmp_path}", "--config.rl.stpes=3"],
-                      timeout=120)
-  assert out.returncode != 0
-  assert out.stderr.strip() == (
+def test_unknown_config_key_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+  code, err = tu.train_cli(["--config=configs/tiny.py:smoke", f"--workdir={tmp_path}",
+                            "--config.rl.stpes=3"], capsys, monkeypatch)
+  assert code != 0
+  assert err.strip() == (
       "error: bad config override --config.rl.stpes=3: no such key 'stpes'; "
       'Did you mean "steps" instead of "stpes"?')
   assert not os.listdir(tmp_path)  # nothing ran
 
 
-def test_bad_config_value_is_one_line_naming_it(tmp_path):
+def test_bad_config_value_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
   """A value the run cannot use (not only an unknown key) is one line on
   stderr and exit status 2, not a traceback."""
-  out = tu.run_module(["ba_jax.train", "--config=configs/tiny.py:smoke",
-                       f"--workdir={tmp_path}", "--config.model.remat=some"],
-                      timeout=120)
-  assert out.returncode == 2, out.stderr[-2000:]
-  assert out.stderr.strip().startswith("error: model.remat='some': expected one of"), (
-      out.stderr[-2000:])
-  assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+  code, err = tu.train_cli(["--config=configs/tiny.py:smoke", f"--workdir={tmp_path}",
+                            "--config.model.remat=some"], capsys, monkeypatch)
+  assert code == 2, err[-2000:]
+  assert err.strip().startswith("error: model.remat='some': expected one of"), err[-2000:]
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1
   assert not os.listdir(tmp_path)  # nothing ran
 
 
@@ -170,15 +167,13 @@ def test_non_finite_updates_in_a_row_stop_the_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_non_finite_guard_exits_with_status_3(tmp_path):
-  out = tu.run_module(["ba_jax.train", "--config=configs/tiny.py:smoke",
-                       f"--workdir={tmp_path}"] + [
-                           f"--config.{k}={v}" for k, v in NONFINITE.items()])
-  assert out.returncode == 3, out.stderr[-3000:]
+def test_the_non_finite_guard_exits_with_status_3(tmp_path, capsys, monkeypatch):
+  code, err = tu.train_cli(["--config=configs/tiny.py:smoke", f"--workdir={tmp_path}"] + [
+      f"--config.{k}={v}" for k, v in NONFINITE.items()], capsys, monkeypatch)
+  assert code == 3, err[-3000:]
   # metrics are read one step behind: the guard trips at step 2 or 3
   assert re.fullmatch(r"error: stopped at step [23]: rl.max_nonfinite=2 "
-                      r"non-finite updates in a row",
-                      out.stderr.strip().split("\n")[-1])
+                      r"non-finite updates in a row", err.strip().split("\n")[-1])
 
 
 def test_dataset_task_streams_formats_and_grades():

@@ -80,6 +80,21 @@ def run_module(args, *, env=None, timeout=600, **kwargs):
                         **kwargs)
 
 
+def train_cli(args, capsys, monkeypatch) -> tuple[int, str]:
+  """``python -m ba_jax.train ARGS`` in this process, from the repo root:
+  (exit status, stderr). A ``SystemExit`` with a message counts as Python
+  reports it: status 1, the message on stderr."""
+  from ba_jax import train
+  monkeypatch.chdir(REPO)
+  capsys.readouterr()
+  message = ""
+  try:
+    code = train.main(["train", *args])
+  except SystemExit as e:
+    code, message = (e.code, "") if isinstance(e.code, int) else (1, f"{e.code}\n")
+  return code, capsys.readouterr().err + message
+
+
 def char_tokenizer():
   """A character-level tokenizer over printable ASCII (pad 0, eos 1)."""
   import string
