@@ -239,3 +239,26 @@ def test_benchmark_names_pick_the_loader():
   assert name == "aime24" and isinstance(examples[0], data.Example)
   with pytest.raises(ValueError, match="unknown benchmark 'gsm8k'; expected one of .*livecodebench"):
     eval_lib.load_benchmark("gsm8k", str(CODE_DIR))
+
+
+def test_outputs_are_judged_by_the_benchmarks_rules_and_only_plain_data_is_read():
+  from ba_jax.sandboxing import outputs
+  same = outputs.same
+  assert same(1.0 + 1e-9, 1.0, "evalplus") and not same(1.1, 1.0, "evalplus")
+  assert same([0.1 + 2e-7], [0.1], "evalplus")  # 1e-6 for float outputs
+  assert not same([0.1 + 2e-7], (0.1,), "evalplus")  # the tolerance needs the same type
+  assert same(2, 2.0, "evalplus") and not same(True, 2, "evalplus")
+  assert same([3, 1], [1, 3], "set") and same(0, 5, "not_none") and not same(None, 5, "not_none")
+  assert same(-0.5, None, "find_zero", atol=1e-6, arguments=[[1, 2]])
+  assert same((1, 2), [1, 2], "lcb") and not same((1, 2), [1, 2], "exact")
+  assert not same(outputs.Opaque("Anything"), 5, "exact")
+  assert not same("x" * 10, 5, "find_zero", atol=1.0, arguments=[[1, 2]])
+  good = b'{"outputs": [{"value": ["tuple", 1, ["int", "0x10000000000000000000"], ' \
+         b'["float", "0x1.8p+0"], ["set", "a"], ["dict", [1, null]]]}, {"raised": "ValueError"}]}'
+  assert outputs.decode(good, 2) == [("value", (1, 1 << 76, 1.5, {"a"}, {1: None})),
+                                     ("raised", "ValueError")]
+  for bad in (b"[" * 100_000, b'{"outputs": [{"value": ' + b"7" * 5000 + b"}]}",
+              b'{"outputs": [{"value": ["set", ["list"]]}]}', b'{"outputs": [{"v": 1}]}',
+              b'{"outputs": [{"value": ["eval", "1"]}]}', b"\xff", b'{"outputs": [1, 2, 3]}'):
+    with pytest.raises(outputs.Malformed):
+      outputs.decode(bad, 2)

@@ -115,17 +115,21 @@ def expected_outputs(case, limits: sandbox.SandboxLimits) -> list:
     return [None] * len(case["inputs"])  # the oracle checks the output against the input
   spec = _call_spec(case)
   key = hashlib.sha256(json.dumps([case["reference"], spec]).encode()).hexdigest()
-  if key not in _REFERENCE_CACHE:
+  value = _REFERENCE_CACHE.get(key)
+  if value is None:
     run = sandbox.run_program(case["reference"], limits=limits, call=spec)
     items = run.outputs or []
     if run.outputs is not None and len(items) == len(spec["inputs"]) and \
         all(kind == "value" and not isinstance(v, outputs_lib.Opaque) for kind, v in items):
-      _REFERENCE_CACHE[key] = [v for _, v in items]
+      value = [v for _, v in items]
     else:
-      _REFERENCE_CACHE[key] = "the reference solution " + _why_no_outputs(run, items, spec)
-    while len(_REFERENCE_CACHE) > _REFERENCE_CACHE_SIZE:
-      _REFERENCE_CACHE.pop(next(iter(_REFERENCE_CACHE)))
-  value = _REFERENCE_CACHE[key]
+      value = "the reference solution " + _why_no_outputs(run, items, spec)
+    # A reference killed by the clock, the memory limit or a dying sandbox may pass next time
+    # (a loaded machine): only what it computed, or how it failed by itself, is kept.
+    if not (run.timed_out or run.memory_exceeded or run.rejected):
+      _REFERENCE_CACHE[key] = value
+      while len(_REFERENCE_CACHE) > _REFERENCE_CACHE_SIZE:
+        _REFERENCE_CACHE.pop(next(iter(_REFERENCE_CACHE)))
   if isinstance(value, str):
     raise ReferenceFailed(value)
   return value

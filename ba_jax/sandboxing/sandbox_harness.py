@@ -80,7 +80,7 @@ def install_guards(root):
 
 # ----------------------------------------------------------------------------- plain data
 # Bound now, before the program runs: rebinding builtins cannot reach these.
-_type, _len, _id, _hex, _callable = type, len, id, hex, callable
+_type, _len, _hex, _callable, _getattr = type, len, hex, callable, getattr
 _int_value, _float_hex, _bytes_hex = int.__index__, float.hex, bytes.hex
 _str_value = str.__str__
 _complex_real, _complex_imag = complex.real.__get__, complex.imag.__get__
@@ -105,10 +105,21 @@ def _plain_base(value):
   return None
 
 
+def _has_tolist(value):
+  """numpy's scalars and arrays (and anything else with `tolist`) are read as what it gives."""
+  return _callable(_getattr(_type(value), "tolist", None))
+
+
+def _tolist(value):
+  return _type(value).tolist(value)
+
+
 def to_plain(value, depth=0):
   """A JSON-ready image of `value`: null/true/false/str/small ints as themselves, everything
   else as [tag, ...]. Subclasses of builtin types are read through the base type's methods."""
   base = _plain_base(value)
+  if base is None and depth <= MAX_DEPTH and _has_tolist(value):
+    return to_plain(_tolist(value), depth + 1)
   if base is None or depth > MAX_DEPTH:
     name = _type.__dict__["__name__"].__get__(_type(value))
     return ["object", name if depth <= MAX_DEPTH else f"nested deeper than {MAX_DEPTH}"]
@@ -134,6 +145,8 @@ def to_plain(value, depth=0):
 def plain_copy(value, depth=0):
   """A fresh copy of `value` made of exact builtin types; raises NotPlain for anything else."""
   base = _plain_base(value)
+  if base is None and depth <= MAX_DEPTH and _has_tolist(value):
+    return plain_copy(_tolist(value), depth + 1)
   if base is None or depth > MAX_DEPTH:
     name = _type.__dict__["__name__"].__get__(_type(value))
     raise NotPlain(f"sandbox: the entry point gave a {name} object; assertion tests compare "
