@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 
 import pytest
 
@@ -60,7 +61,8 @@ def run_jobs(mode, jobs, shared_dir):
              shared_dir]
   done = subprocess.run(command, input=json.dumps(jobs), capture_output=True, text=True,
                         timeout=240, cwd=shared_dir)
-  assert done.returncode == 0, f"the caller died (exit code {done.returncode}): {done.stderr[-2000:]}"
+  assert done.returncode == 0, \
+      f"the caller died (exit code {done.returncode}): {done.stderr[-2000:]}"
   results = json.loads(done.stdout)
   if isinstance(results, dict):  # e.g. AppArmor forbids unprivileged user namespaces
     assert "refusing to run untrusted code" in results["refused"]
@@ -88,3 +90,15 @@ def leftovers():
   if where is not None:
     found |= set(glob.glob(os.path.join(where.parent, "ba_jax_sandbox_*")))
   return found
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+  """No run's temp dir or memory cgroup outlives the test (other sessions' runs may come and go).
+  Test modules use it by importing it."""
+  before = leftovers()
+  yield
+  deadline = time.monotonic() + 5.0
+  while leftovers() - before and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not leftovers() - before, "a run left its temp dir or cgroup behind"

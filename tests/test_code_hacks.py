@@ -10,6 +10,7 @@ import pytest
 
 from ba_jax.tasks import code_data
 from sandbox_modes import MODES, judged_job, run_jobs, shared_copy
+from sandbox_modes import nothing_left_behind  # noqa: F401 -- an autouse fixture
 
 CODE_DIR = pathlib.Path(__file__).parent / "fixtures" / "code"
 ALWAYS_EQUAL = ("class Anything(list):\n    def __eq__(self, other):\n        return True\n"

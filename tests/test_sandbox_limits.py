@@ -6,14 +6,14 @@ import ast
 import os
 import shutil
 import subprocess
-import time
 
 import pytest
 
 from ba_jax.sandboxing import cgroups
 from ba_jax.sandboxing import sandbox
 from ba_jax.tasks import rewards
-from sandbox_modes import HERE, MODES, NOBODY, leftovers, program, run_jobs
+from sandbox_modes import HERE, MODES, NOBODY, program, run_jobs
+from sandbox_modes import nothing_left_behind  # noqa: F401 -- an autouse fixture
 from sandbox_modes import shared_copy, judged_job
 
 MB = 1 << 20
@@ -23,17 +23,6 @@ MB = 1 << 20
 def shared_dir():
   with shared_copy() as root:
     yield root
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
-  """No run's temp dir or memory cgroup outlives the test (other sessions' runs may come and go)."""
-  before = leftovers()
-  yield
-  deadline = time.monotonic() + 5.0
-  while leftovers() - before and time.monotonic() < deadline:
-    time.sleep(0.1)
-  assert not leftovers() - before, "a run left its temp dir or cgroup behind"
 
 
 HOLD_MEMFD = ("import os\nfd = os.memfd_create('x')\nfor _ in range(384):\n"

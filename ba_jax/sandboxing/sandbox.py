@@ -298,7 +298,7 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
                     escaped_files=escaped, memory_exceeded=memory_exceeded)
     if rejection:
       run.rejected, run.reason = "too_large", rejection
-    elif not status and not timed_out:
+    elif not status and not timed_out and not memory_exceeded:
       run.rejected = "sandbox_died"
       run.reason = (f"the sandbox's launcher exited with code {process.returncode} before "
                     "the program started")
