@@ -10,6 +10,7 @@ import sys
 
 
 def run_jobs(jobs):
+  from ba_jax.sandboxing import judge
   from ba_jax.sandboxing import sandbox
   try:
     sandbox.check_available()
@@ -19,7 +20,7 @@ def run_jobs(jobs):
   for job in jobs:
     limits = sandbox.SandboxLimits(**job.get("limits", {}))
     if job["kind"] == "tests":
-      outcome = sandbox.run_tests(job["program"], job["tests"], limits)
+      outcome = judge.run_tests(job["program"], job["tests"], limits)
       out.append(dataclasses.asdict(outcome))
     else:
       result = sandbox.run_program(job["program"], job.get("stdin", ""), limits)

@@ -7,6 +7,7 @@ import pathlib
 import pickle
 import subprocess
 import sys
+import time
 import zlib
 
 import numpy as np
@@ -63,7 +64,12 @@ def test_loaders_read_every_published_layout():
   assert [e.task_id for e in he] == ["HumanEval/53", "HumanEval/4", "HumanEval/32", "HumanEval/42"]
   # base_input + plus_input: two sandboxed runs; empty plus_input: one; a `test`: one.
   assert [len(e.tests) for e in he] == [2, 2, 1, 1]
-  assert he[3].tests[0].rstrip().endswith("check(incr_list)")
+  assert he[3].tests[0]["assert"].rstrip().endswith("check(incr_list)")
+  assert he[3].tests[0]["entry_point"] == "incr_list" and he[3].tests[0]["context"] == he[3].prompt
+  # The release layout: call tests whose expected outputs the reference gives, outside the
+  # candidate's run.
+  assert {k: he[0].tests[0][k] for k in ("call", "inputs", "compare", "atol")} == {
+      "call": "add", "inputs": [[0, 1], [1, 0], [5, 7]], "compare": "evalplus", "atol": 0}
   assert [e.entry_point for e in mbpp] == ["similar_elements", "is_not_prime", "Diff"]
   stdin, leetcode = lcb
   assert (stdin.kind, leetcode.kind, leetcode.entry_point) == ("stdin", "leetcode", "maxValue")
@@ -98,6 +104,34 @@ def test_bad_rows_name_the_file_row_and_field(tmp_path):
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(data.DataError, match=expected[name]):
       code_data.load_code_set(name, str(path))
+
+
+def test_test_cases_that_cannot_be_read_name_the_row_and_field(tmp_path, monkeypatch):
+  bomb = base64.b64encode(zlib.compress(pickle.dumps("[" + " " * (16 << 20) + "]"))).decode()
+  monkeypatch.setattr(code_data, "MAX_DECOMPRESSED_BYTES", 1 << 20)
+  with pytest.raises(data.DataError, match=r"f.jsonl: row 3: field 'private_test_cases': "
+                                           r"decompresses to more than 1048576 bytes"):
+    code_data.decode_test_cases(bomb, "f.jsonl", 3, "private_test_cases")
+  with pytest.raises(data.DataError, match=r"row 0: field 'public_test_cases': JSON nested too"):
+    code_data.decode_test_cases("[" * 100_000 + "]" * 100_000, "f.jsonl", 0, "public_test_cases")
+  row = {"question_content": "q", "metadata": json.dumps({"func_name": "f"}),
+         "public_test_cases": json.dumps([{"input": "[1, 2]\n3", "output": "4",
+                                           "testtype": "functional"},
+                                          {"input": "[1, 2\n3", "output": "4",
+                                           "testtype": "functional"}])}
+  path = tmp_path / "livecodebench.jsonl"
+  path.write_text(json.dumps(row) + "\n")
+  with pytest.raises(data.DataError, match=r"row 0: field 'test_cases\[1\].input': not valid JSON"):
+    code_data.load_code_set("livecodebench", str(path))
+
+
+def test_responses_are_parsed_in_linear_time():
+  example = load("humanevalplus")[0]
+  for response in ("\n" * 40_000 + "x", "```" + " " * 100_000, "```\n" * 20_000,
+                   ("```" + "a" * 10) * 20_000, "    return x + y\n" + "\n" * 40_000):
+    start = time.monotonic()
+    code_data.program_for(example, response)
+    assert time.monotonic() - start < 0.5  # the regexes they replace took seconds
 
 
 def test_code_extraction_and_programs():
@@ -205,3 +239,26 @@ def test_benchmark_names_pick_the_loader():
   assert name == "aime24" and isinstance(examples[0], data.Example)
   with pytest.raises(ValueError, match="unknown benchmark 'gsm8k'; expected one of .*livecodebench"):
     eval_lib.load_benchmark("gsm8k", str(CODE_DIR))
+
+
+def test_outputs_are_judged_by_the_benchmarks_rules_and_only_plain_data_is_read():
+  from ba_jax.sandboxing import outputs
+  same = outputs.same
+  assert same(1.0 + 1e-9, 1.0, "evalplus") and not same(1.1, 1.0, "evalplus")
+  assert same([0.1 + 2e-7], [0.1], "evalplus")  # 1e-6 for float outputs
+  assert not same([0.1 + 2e-7], (0.1,), "evalplus")  # the tolerance needs the same type
+  assert same(2, 2.0, "evalplus") and not same(True, 2, "evalplus")
+  assert same([3, 1], [1, 3], "set") and same(0, 5, "not_none") and not same(None, 5, "not_none")
+  assert same(-0.5, None, "find_zero", atol=1e-6, arguments=[[1, 2]])
+  assert same((1, 2), [1, 2], "lcb") and not same((1, 2), [1, 2], "exact")
+  assert not same(outputs.Opaque("Anything"), 5, "exact")
+  assert not same("x" * 10, 5, "find_zero", atol=1.0, arguments=[[1, 2]])
+  good = b'{"outputs": [{"value": ["tuple", 1, ["int", "0x10000000000000000000"], ' \
+         b'["float", "0x1.8p+0"], ["set", "a"], ["dict", [1, null]]]}, {"raised": "ValueError"}]}'
+  assert outputs.decode(good, 2) == [("value", (1, 1 << 76, 1.5, {"a"}, {1: None})),
+                                     ("raised", "ValueError")]
+  for bad in (b"[" * 100_000, b'{"outputs": [{"value": ' + b"7" * 5000 + b"}]}",
+              b'{"outputs": [{"value": ["set", ["list"]]}]}', b'{"outputs": [{"v": 1}]}',
+              b'{"outputs": [{"value": ["eval", "1"]}]}', b"\xff", b'{"outputs": [1, 2, 3]}'):
+    with pytest.raises(outputs.Malformed):
+      outputs.decode(bad, 2)

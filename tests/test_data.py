@@ -200,3 +200,33 @@ def test_an_empty_training_set_is_an_error_naming_the_file(tmp_path):
                      match=r"polaris.jsonl: no training examples \(all 6 rows are outside "
                            r"difficulty \[0.9, 0.95\]\)"):
     data.load_polaris(path, min_difficulty=0.9, max_difficulty=0.95)
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("deep.jsonl", _polaris_line().encode() + b'\n{"problem": "p", "answer": ' + b"[" * 100_000
+     + b"]" * 100_000 + b"}\n",
+     r"deep.jsonl: row 1 \(line 2\): field 'answer': nested too deeply to read"),
+    ("deep.json", b'[{"problem": "p", "answer": "1"}, {"problem": "q", "meta": ' + b"[" * 100_000
+     + b"]" * 100_000 + b', "answer": "2"}]',
+     r"deep.json: row 1: field 'meta': nested too deeply to read"),
+    ("long_int.jsonl", b'{"problem": "p", "answer": "1", "extra": {"n": ' + b"7" * 5000 + b"}}\n",
+     r"long_int.jsonl: row 0 \(line 1\): field 'extra.n': an integer with 5000 digits, over "
+     r"Python's limit of 4300"),
+    ("long_int.json", b'[{"problem": "p", "answer": ' + b"7" * 5000 + b"}]",
+     r"long_int.json: row 0: field 'answer': an integer with 5000 digits"),
+])
+def test_values_python_cannot_read_name_the_row_and_field(tmp_path, name, content, expected):
+  path = tmp_path / name
+  path.write_bytes(content)
+  with pytest.raises(data.DataError, match=expected):
+    data.load_polaris(str(path))
+
+
+@pytest.mark.parametrize("content", ["", "   \n", data.DAPO_PREFIX + "\n" + data.DAPO_SUFFIX])
+def test_dapo_row_without_a_problem_is_an_error(tmp_path, content):
+  rows = dapo_rows()
+  rows[1] = dict(rows[1], prompt=[{"role": "user", "content": content}])
+  path = write_parquet(rows, tmp_path / "empty_prompt.parquet")
+  with pytest.raises(data.DataError, match=r"empty_prompt.parquet: row 1: field "
+                                           r"'prompt\[0\].content': no problem text"):
+    data.load_dapo_math(path)

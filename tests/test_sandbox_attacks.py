@@ -1,9 +1,6 @@
 """The same attacks and reward hacks, run as the caller (root here and in CI) and as an unprivileged
 user (`setpriv` to nobody), must be contained and score 0 in both modes."""
-import glob
-import json
 import os
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -11,72 +8,18 @@ import time
 
 import pytest
 
-import sandbox_driver
 from ba_jax.tasks import rewards
+from ba_jax.sandboxing import judge
 from ba_jax.sandboxing import sandbox
-
-NOBODY = 65534
-IS_ROOT = os.geteuid() == 0
-MODES = ["caller", "unprivileged"]
-LIMITS = {"wall_time_s": 3.0, "cpu_time_s": 3, "memory_mb": 256, "max_processes": 8}
-HERE = os.path.dirname(os.path.abspath(__file__))
-PACKAGE = os.path.dirname(os.path.abspath(sandbox.__file__))
+from sandbox_modes import IS_ROOT, LIMITS, MODES, NOBODY, program, run_jobs, sandbox_dirs_of
+from sandbox_modes import shared_copy
+from sandbox_modes import judged_job as assertion_job
 
 
 @pytest.fixture(scope="module")
 def shared_dir():
-  """A world-readable copy of the sandbox and the driver, and a world-writable victim dir."""
-  root = tempfile.mkdtemp(prefix="ba_jax_attack_")
-  os.makedirs(os.path.join(root, "ba_jax", "sandboxing"))
-  for sub in ("ba_jax", os.path.join("ba_jax", "sandboxing")):
-    open(os.path.join(root, sub, "__init__.py"), "w").close()
-  for name in ("sandbox.py", "sandbox_launcher.py", "sandbox_harness.py"):
-    if os.path.exists(os.path.join(PACKAGE, name)):
-      shutil.copy(os.path.join(PACKAGE, name), os.path.join(root, "ba_jax", "sandboxing", name))
-  shutil.copy(os.path.join(HERE, "sandbox_driver.py"), root)
-  victim = os.path.join(root, "victim")
-  os.makedirs(victim)
-  for dirpath, dirnames, filenames in os.walk(root):
-    os.chmod(dirpath, 0o755)
-    for name in filenames:
-      os.chmod(os.path.join(dirpath, name), 0o644)
-  os.chmod(root, 0o755)
-  os.chmod(victim, 0o777)
-  yield root
-  shutil.rmtree(root, ignore_errors=True)
-
-
-def run_jobs(mode, jobs, shared_dir):
-  if mode == "caller":
-    results = sandbox_driver.run_jobs(jobs)
-    assert not isinstance(results, dict), results
-    return results
-  if not IS_ROOT:
-    pytest.skip("the tests already run unprivileged: 'caller' is that mode")
-  command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-             sandbox.sandbox_python(), "-I", os.path.join(shared_dir, "sandbox_driver.py"),
-             shared_dir]
-  done = subprocess.run(command, input=json.dumps(jobs), capture_output=True, text=True,
-                        timeout=120, cwd=shared_dir)
-  assert done.returncode == 0, f"the caller died (exit code {done.returncode}): {done.stderr[-2000:]}"
-  results = json.loads(done.stdout)
-  if isinstance(results, dict):  # e.g. AppArmor forbids unprivileged user namespaces
-    assert "refusing to run untrusted code" in results["refused"]
-    pytest.skip(f"refused, as it must be where the kernel forbids it: {results['refused']}")
-  return results
-
-
-def program(source, **limits):
-  return {"kind": "program", "program": source, "limits": dict(LIMITS, **limits)}
-
-
-def assertion_job(source, cases, **limits):
-  return {"kind": "tests", "program": source, "tests": cases, "limits": dict(LIMITS, **limits)}
-
-
-def sandbox_dirs_of(uid):
-  return {d for d in glob.glob(os.path.join(tempfile.gettempdir(), "ba_jax_sandbox_*"))
-          if os.stat(d).st_uid == uid}
+  with shared_copy() as root:
+    yield root
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -97,7 +40,7 @@ def test_raw_socket_cannot_reach_the_network(mode, guards, shared_dir):
     leaked = None
   server.close()
   assert leaked is None and "connected" not in result["stdout"]
-  assert result["returncode"] != 0 and "Network is unreachable" in result["stderr"]
+  assert result["returncode"] != 0 and "Operation not permitted" in result["stderr"]  # seccomp
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -224,17 +167,18 @@ HACKS = {
         "    for fd in range(3, 20):\n        try:\n            os.write(fd, token.encode())\n"
         "        except OSError:\n            pass\n"
         "sys.stdout.flush()\nos._exit(0)\n"),
+    # The tests see the entry point's result as a copy in builtin types: no __eq__ of its own.
+    "always_equal_result": ("class Anything:\n    def __eq__(self, other):\n        return True\n"
+                            "def f(x):\n    return Anything()\n"),
 }
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_reward_hacks_score_zero(mode, shared_dir):
   jobs = [assertion_job(HONEST, ASSERTS)] + [assertion_job(source, ASSERTS) for source in HACKS.values()]
-  jobs.append(assertion_job("class Anything:\n    def __eq__(self, other):\n        return True\n"
-                    "def f(x):\n    return Anything()\n", ASSERTS))
   outcomes = run_jobs(mode, jobs, shared_dir)
-  assert outcomes[0]["passed"] == 2 and outcomes[-1]["passed"] == 2  # __eq__ is the program's own
-  scored = {name: outcome["passed"] for name, outcome in zip(HACKS, outcomes[1:-1])}
+  assert outcomes[0]["passed"] == 2
+  scored = {name: outcome["passed"] for name, outcome in zip(HACKS, outcomes[1:])}
   assert scored == {name: 0 for name in HACKS}
 
 
@@ -271,11 +215,31 @@ def test_a_kernel_without_user_namespaces_is_refused_with_the_reason(shared_dir)
   assert "unshare(user, mount, network, pid, ipc)" in done.stdout and "max_user_namespaces" in done.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="known limit: code written against the harness can read "
-                   "the token pipe; the assertions run in the program's own process")
-def test_a_program_written_against_the_harness_can_still_forge():
-  source = ("import os\ntoken = b''\nfor fd in range(3, 64):\n    try:\n"
-            "        os.set_blocking(fd, False)\n        token = token or os.read(fd, 64)\n"
-            "    except OSError:\n        pass\nfor fd in range(3, 64):\n    try:\n"
-            "        os.write(fd, token)\n    except OSError:\n        pass\nos._exit(0)\n")
-  assert sandbox.run_tests(source, ["assert f(2) == 4"]).passed == 0
+def test_a_program_written_against_the_harness_cannot_forge():
+  """Reading every fd (the token's pipe was closed before the program ran), walking frames or
+  the garbage collector to the harness's token, or an audit hook of its own: all score 0."""
+  forgeries = [
+      ("import os\ntoken = b''\nfor fd in range(3, 64):\n    try:\n"
+       "        os.set_blocking(fd, False)\n        token = token or os.read(fd, 64)\n"
+       "    except OSError:\n        pass\nfor fd in range(3, 64):\n    try:\n"
+       "        os.write(fd, token)\n    except OSError:\n        pass\nos._exit(0)\n"),
+      ("import inspect, os\nfor frame_info in inspect.stack():\n"
+       "    token = frame_info.frame.f_locals.get('token')\n    if token:\n"
+       "        os.write(frame_info.frame.f_locals['result_fd'], token)\n        os._exit(0)\n"),
+      ("import gc, os\nfor o in gc.get_objects():\n"
+       "    if isinstance(o, dict) and isinstance(o.get('token'), bytes):\n"
+       "        os.write(o['result_fd'], o['token'])\n        os._exit(0)\n"),
+      ("import os\ntry:\n    raise ValueError\nexcept ValueError as e:\n"
+       "    frame = e.__traceback__.tb_frame\nwhile frame is not None:\n"
+       "    if isinstance(frame.f_locals.get('token'), bytes):\n"
+       "        os.write(frame.f_locals['result_fd'], frame.f_locals['token'])\n"
+       "        os._exit(0)\n    frame = frame.f_back\n"),
+      # Reads the expected value from the test's frame, or from the test's code as it is run.
+      "import sys\ndef f(x):\n    return sys._getframe(2).f_globals['expected']\n",
+      ("import sys\nconsts = []\ndef hook(event, args):\n    if event == 'exec':\n"
+       "        consts.extend(c for c in args[0].co_consts if type(c) is int)\n"
+       "sys.addaudithook(hook)\ndef f(x):\n    return consts[-1] if consts else 0\n"),
+  ]
+  for source in forgeries:
+    outcome = judge.run_tests(source, ["expected = 4\nassert f(2) == expected"])
+    assert outcome.passed == 0, source

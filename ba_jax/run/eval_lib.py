@@ -3,7 +3,8 @@
 Math benchmarks are graded by `rewards.score_math`; code benchmarks
 (`ba_jax.tasks.code_data`: HumanEval+, MBPP+, LiveCodeBench) run their tests in the
 sandbox through `rewards.score_code`, a sample counting as correct when it
-passes every test.
+passes every test; a sample that could not be judged (too large, not text, a
+dead sandbox, a failed reference) counts as wrong and in `grader_rejected`.
 
 pass@k is the unbiased estimator of Chen et al. (2021): with n samples of
 which c are correct, pass@k = 1 - C(n-c, k) / C(n, k), averaged over problems.
@@ -137,6 +138,8 @@ def evaluate_code(name: str, generate_fn: GenerateFn, examples: Sequence[code_da
   correct_PxN = batch.correct.reshape(len(examples), n)
   summary = summarize(correct_PxN, settings.ks)
   summary.update(grader_timeouts=batch.timeouts, grader_errors=batch.errors,
+                 grader_rejected=dict(batch.rejected),  # samples scored 0 unjudged, by reason
+                 memory_exceeded=batch.memory_exceeded,
                  seconds=round(time.monotonic() - start, 2))
   samples = [{"task_id": e.task_id, "meta": _jsonable(e.meta), "responses": list(responses[i]),
               "tests_passed": batch.scores[i * n:(i + 1) * n].tolist(),

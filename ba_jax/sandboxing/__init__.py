@@ -1,7 +1,8 @@
-"""Running untrusted programs: namespaces, a read-only file system and
-resource limits (``sandbox`` on the host; ``sandbox_launcher`` and
-``sandbox_harness`` are copied into each run and use the standard library
-only).
+"""Running untrusted programs: namespaces, a bare read-only root and hard limits
+(``sandbox`` on the host, with ``cgroups`` and ``cleanup``; ``sandbox_launcher``,
+``sandbox_seccomp`` and ``sandbox_harness`` run inside and use the standard
+library only), and tests judged where the program cannot reach (``judge``,
+``outputs``).
 
 May import: config.
 """

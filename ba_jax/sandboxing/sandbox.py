@@ -1,46 +1,60 @@
-"""A sandbox for model-written Python: namespaces, limits, nothing left behind, unforgeable tests.
+"""A sandbox for model-written Python: namespaces, a bare root, hard limits, nothing left behind.
 
 Each run is a fresh `python -I` process (`sandbox_launcher`, then
 `sandbox_harness`) in new mount, network, PID and IPC namespaces, as root
 directly and otherwise inside a new user namespace, so the same containment
 holds without root:
-  * network: an empty network namespace (no interface is up);
-  * files: every mount read-only, /tmp, /var/tmp, /dev/shm and /run hidden;
-    the only writable place is a private tmpfs on the run's dir, gone with it;
+  * files: a new root holding read-only system dirs and the interpreter, five
+    device nodes and /sandbox, a private tmpfs (`max_workdir_mb`) with the
+    run's files, the only writable place; no home, /tmp, /work or socket of
+    the host exists in it, so no file of the caller either (unprivileged mode);
+  * network: an empty network namespace, and a seccomp filter that allows
+    socket() for AF_UNIX only (or for nothing: `sockets="none"`);
   * processes: a PID namespace with a fresh /proc, so the caller and every
     other process can be neither seen nor signalled; when the run ends its
     init exits and the kernel kills whatever is left;
-  * limits: RLIMIT_CPU/AS/FSIZE/NOFILE/CORE/NPROC, no_new_privs, no
-    capabilities; as root also a fresh uid used by no other process;
+  * memory (`memory_mb`, all the run's processes together): a memory cgroup per
+    run where one can be made (`cgroups`), else RLIMIT_AS per process plus the
+    init's watchdog on the total; in both cases seccomp refuses memfd_create
+    and SysV shared memory (`sandbox_seccomp`);
+  * limits: RLIMIT_CPU/AS/FSIZE/NOFILE/CORE/NPROC/MSGQUEUE, no_new_privs, no
+    capabilities, no new namespaces; as root also a fresh uid per run;
   * Python-level guards (optional, on by default) as defence in depth.
-Where the kernel refuses the namespaces the sandbox refuses to run anything
-(`SandboxUnavailable`, with the reason); it never falls back to the guards.
-Assertion tests pass only on a per-run token the harness emits after the last
-assertion (`sandbox_harness`). The interpreter is this Python when a dropped
-uid can read its standard library, else the system python3 (`sandbox_python`).
+Where the kernel refuses any of this the sandbox refuses to run anything
+(`SandboxUnavailable`, with the reason); it never falls back to the guards. A
+sample that cannot run (files larger than /sandbox, text that is not UTF-8, a
+launcher that dies) fails alone: `RunResult.rejected` says why. How tests are
+judged outside the program's reach is `judge`'s. The interpreter is this Python
+when a dropped uid can read its standard library, else the system python3
+(`sandbox_python`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import math
 import os
 import secrets
 import shutil
-import signal
-import stat
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Sequence
 
-_WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+from ba_jax.sandboxing import cgroups
+from ba_jax.sandboxing import cleanup
+from ba_jax.sandboxing import outputs as outputs_lib
+from ba_jax.sandboxing import sandbox_seccomp
+
 _IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+INSIDE = "/sandbox"  # the run's work dir as the program sees it
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LAUNCHER_FILE = os.path.join(_HERE, "sandbox_launcher.py")
 _HARNESS_FILE = os.path.join(_HERE, "sandbox_harness.py")
+_SPEC_FILE = "spec.json"
 
 
 class SandboxUnavailable(RuntimeError):
@@ -50,13 +64,20 @@ class SandboxUnavailable(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
   wall_time_s: float = 5.0
-  cpu_time_s: int = 5
-  memory_mb: int = 512
+  cpu_time_s: int = 5  # per process
+  memory_mb: int = 512  # every page the run holds, all its processes (and /sandbox) together
   max_processes: int = 16
   max_file_mb: int = 16
-  max_output_chars: int = 1 << 20
-  max_workdir_mb: int = 64  # the private tmpfs the program may write to
+  max_output_chars: int = 1 << 20  # stdout and stderr, each
+  max_result_mb: int = 16  # a call test's outputs, as plain data
+  max_workdir_mb: int = 64  # /sandbox, the private tmpfs holding the run's files
+  sockets: str = "unix"  # "unix": socket() for AF_UNIX only; "none": no socket at all
+  require_memory_cgroup: bool = False  # refuse to run where no memory cgroup can be made
   python_guards: bool = True
+
+  def __post_init__(self):
+    if self.sockets not in ("unix", "none"):
+      raise ValueError(f"sockets must be 'unix' or 'none', got {self.sockets!r}")
 
 
 @dataclasses.dataclass
@@ -71,95 +92,13 @@ class RunResult:
   escaped_files: list = dataclasses.field(default_factory=list)  # removed from shared temp dirs
   # Assertion runs: the harness wrote this run's token, i.e. every assertion ran without raising.
   assertions_passed: bool = False
-
-
-@dataclasses.dataclass
-class TestOutcome:
-  passed: int
-  total: int
-  timeouts: int
-  message: str = ""
-
-
-def _live_processes(pgid: int, uid: int | None) -> list[int]:
-  """Pids (zombies excluded) in process group `pgid` or owned by `uid`."""
-  pids = []
-  for entry in os.listdir("/proc"):
-    if not entry.isdigit():
-      continue
-    try:
-      with open(f"/proc/{entry}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-      state, pgrp = fields[0], int(fields[2])
-      if state in "ZX":
-        continue
-      owner = os.stat(f"/proc/{entry}").st_uid if uid is not None else None
-    except (OSError, ValueError, IndexError):
-      continue
-    if pgrp == pgid or (uid is not None and owner == uid):
-      pids.append(int(entry))
-  return pids
-
-
-def _kill_everything(process: subprocess.Popen, uid: int | None) -> int:
-  """SIGKILLs the run's process group and every process of its uid, until none is left."""
-  killed = set()
-  deadline = time.monotonic() + 10.0
-  while time.monotonic() < deadline:
-    try:
-      os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-      pass
-    process.poll()  # reap the main process so it does not linger as a zombie
-    pids = [p for p in _live_processes(process.pid, uid) if p != os.getpid()]
-    if not pids:
-      break
-    for pid in pids:
-      try:
-        os.kill(pid, signal.SIGKILL)
-        killed.add(pid)
-      except ProcessLookupError:
-        pass
-    time.sleep(0.005)
-  return len(killed - {process.pid})
-
-
-def _remove_escaped_files(uid: int, workdir: str) -> list[str]:
-  """Deletes whatever the run's uid created outside `workdir` in the world-writable temp dirs.
-
-  A process running as `uid` can only create entries in directories it may
-  write to, so the walk only descends into world-writable directories and ones
-  `uid` owns (not the whole of /tmp).
-  """
-  escaped = []
-  stack = [d for d in _WORLD_WRITABLE_DIRS if os.path.isdir(d)]
-  while stack:
-    directory = stack.pop()
-    try:
-      entries = list(os.scandir(directory))
-    except OSError:
-      continue
-    for entry in entries:
-      path = entry.path
-      if path == workdir:
-        continue
-      try:
-        info = entry.stat(follow_symlinks=False)
-      except OSError:
-        continue
-      if info.st_uid == uid:
-        escaped.append(path)
-        if entry.is_dir(follow_symlinks=False):
-          shutil.rmtree(path, ignore_errors=True)
-        else:
-          try:
-            os.unlink(path)
-          except OSError:
-            pass
-      elif entry.is_dir(follow_symlinks=False) and info.st_mode & stat.S_IWOTH \
-          and info.st_mode & stat.S_IXOTH:
-        stack.append(path)
-  return escaped
+  # Call runs: ("value", v) or ("raised", exception name) per input, in order, up to the first
+  # exception; None when the program did not report (`outputs_error` says why).
+  outputs: list | None = None
+  outputs_error: str = ""
+  memory_exceeded: bool = False  # killed for going over memory_mb (cgroup or watchdog)
+  rejected: str = ""  # the sample could not run: "too_large", "invalid_text", "sandbox_died"
+  reason: str = ""  # one line on why it was rejected
 
 
 def _nproc_limit(max_processes: int) -> int:
@@ -194,9 +133,9 @@ def sandbox_python() -> str:
       "/usr/bin/python3, /usr/local/bin/python3; install a system python3 or run as non-root")
 
 
-def _read_capped(f, limit: int) -> str:
+def _read_capped(f, limit: int) -> bytes:
   f.seek(0)
-  return f.read(limit).decode("utf-8", errors="replace")
+  return f.read(limit)
 
 
 def _read_available(fd: int, limit: int) -> bytes:
@@ -215,74 +154,127 @@ def _read_available(fd: int, limit: int) -> bytes:
   return b"".join(chunks)
 
 
-def _parse_status(status: str, launcher_rc: int | None, stderr: str, timed_out: bool):
-  """(returncode of the program, whether setup completed) from the launcher's status pipe."""
-  lines = status.splitlines()
+def _refuse(reason: str):
+  hint = ""
+  if "unshare" in reason or "mount" in reason or "pivot_root" in reason:
+    hint = (" It needs Linux >= 5.12 and " + (
+        "CAP_SYS_ADMIN for mount/network/PID namespaces" if _IS_ROOT else
+        "unprivileged user namespaces (sysctl user.max_user_namespaces > 0; on Ubuntu >= "
+        "23.10 also kernel.apparmor_restrict_unprivileged_userns=0)"))
+  raise SandboxUnavailable(f"sandbox: refusing to run untrusted code: {reason}.{hint}")
+
+
+def _parse_status(lines: list[str]) -> tuple[int | None, str]:
+  """(returncode of the program, rejection) from the launcher's status pipe; raises
+  SandboxUnavailable when the kernel refused the setup."""
   errors = [line for line in lines if line.startswith("error: ")]
-  if errors or (not lines and not timed_out):
-    reason = errors[0][len("error: "):] if errors else (
-        f"the launcher exited with code {launcher_rc} before setting up; stderr: {stderr[-300:]!r}")
-    raise SandboxUnavailable(
-        f"sandbox: refusing to run untrusted code: {reason}. It needs Linux >= 5.12 and "
-        + ("CAP_SYS_ADMIN for mount/network/PID namespaces" if _IS_ROOT else
-           "unprivileged user namespaces (sysctl user.max_user_namespaces > 0; on Ubuntu >= "
-           "23.10 also kernel.apparmor_restrict_unprivileged_userns=0)"))
-  for line in lines[1:]:
+  if errors:
+    _refuse(errors[0][len("error: "):])
+  rejects = [line for line in lines if line.startswith("reject: ")]
+  if rejects:
+    return None, rejects[0][len("reject: "):]
+  for line in lines:
     kind, _, value = line.partition(" ")
     if kind == "exit":
-      return int(value)
+      return int(value), ""
     if kind == "signal":
-      return -int(value)
-  return None  # killed on the wall-clock timeout before the program finished
+      return -int(value), ""
+  return None, ""  # killed (the wall-clock timeout, the memory limit) before it finished
+
+
+def _rejected(kind: str, reason: str, uid=None) -> RunResult:
+  return RunResult(returncode=None, stdout="", stderr="", timed_out=False, elapsed_s=0.0,
+                   uid=uid, rejected=kind, reason=reason)
+
+
+def _tmpfs_bytes(files: dict) -> int:
+  return sum(4096 * max(1, math.ceil(len(content) / 4096)) for content in files.values())
+
+
+def _memory_cgroup(limits: SandboxLimits) -> cgroups.RunCgroup | None:
+  where = cgroups.hierarchy()
+  if where is not None:
+    try:
+      return cgroups.RunCgroup.create(where, int(limits.memory_mb) << 20)
+    except OSError as e:
+      if limits.require_memory_cgroup:
+        _refuse(f"could not make a memory cgroup under {where.parent}: {e}")
+      return None
+  if limits.require_memory_cgroup:
+    _refuse("no writable cgroup v2 with the memory controller (set BA_JAX_SANDBOX_CGROUP to a "
+            "delegated one) nor cgroup v1 memory hierarchy, and require_memory_cgroup is set")
+  return None
 
 
 def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *,
-                assertions: Sequence[str] | None = None) -> RunResult:
+                assertions: Sequence | None = None, call: dict | None = None) -> RunResult:
   """Runs `source` as a Python program with `stdin`; returns its output and what was cleaned up.
 
-  With `assertions` (Python source strings) they run after the program, in its
-  namespace, and `assertions_passed` says whether the harness proved that all ran.
+  With `assertions` (test dicts, see `judge`) they run after the program and
+  `assertions_passed` says whether the harness proved that all ran. With
+  `call` ({"entry", "class", "inputs"}) the program's entry point is called on
+  each input and `outputs` holds the results, as plain data.
   """
+  if assertions is not None and call is not None:
+    raise ValueError("run_program takes assertions or call, not both")
+  try:
+    files = {"solution.py": source.encode("utf-8")}
+  except UnicodeEncodeError as e:
+    return _rejected("invalid_text", f"the program is not valid text: {e.reason} at character "
+                                     f"{e.start}")
+  with open(_HARNESS_FILE, "rb") as f:
+    files["harness.py"] = f.read()
+  mode = "assert" if assertions is not None else "call" if call is not None else "stdin"
+  if mode != "stdin":
+    spec = {"tests": list(assertions)} if mode == "assert" else call
+    files[_SPEC_FILE] = json.dumps(spec).encode()
+  workdir_bytes = int(limits.max_workdir_mb) << 20
+  if _tmpfs_bytes(files) > workdir_bytes:
+    sizes = ", ".join(f"{name} {len(content)}" for name, content in files.items())
+    return _rejected("too_large", f"the run's files ({sizes} bytes) do not fit the "
+                                  f"{limits.max_workdir_mb} MB work directory")
+  check_limits(limits)
+  cgroup = _memory_cgroup(limits)
   workdir = tempfile.mkdtemp(prefix="ba_jax_sandbox_")
   uid = 1_000_000 + secrets.randbelow(1 << 30) if _IS_ROOT else None
   token = secrets.token_hex(16).encode()
   pipes = []
   try:
-    files = {"solution.py": source}
-    with open(_HARNESS_FILE) as f:
-      files["harness.py"] = f.read()
-    if assertions is not None:
-      files["tests.json"] = json.dumps(list(assertions))
     for name, content in files.items():
-      with open(os.path.join(workdir, name), "w") as f:
+      with open(os.path.join(workdir, name), "wb") as f:
         f.write(content)
     status_r, status_w = os.pipe()
     token_r, token_w = os.pipe()
-    result_r, result_w = os.pipe()
-    pipes = [status_r, status_w, token_r, token_w, result_r, result_w]
+    pipes = [status_r, status_w, token_r, token_w]
     os.write(token_w, token)
-    program_fds = [token_r, result_w] if assertions is not None else []
-    python = sandbox_python()
-    config = {"uid": uid, "cpu_s": int(limits.cpu_time_s), "memory_bytes": int(limits.memory_mb) << 20,
-              "file_bytes": int(limits.max_file_mb) << 20, "nproc": _nproc_limit(limits.max_processes),
-              "workdir_bytes": int(limits.max_workdir_mb) << 20, "files": sorted(files),
-              "status_fd": status_w, "program_fds": program_fds, "python": python,
-              "harness": {"guards": bool(limits.python_guards), "token_fd": token_r,
-                          "result_fd": result_w,
-                          "tests_file": "tests.json" if assertions is not None else None}}
-    env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",
-           "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
-        tempfile.TemporaryFile() as inp:
-      inp.write(stdin.encode())
+        tempfile.TemporaryFile() as inp, tempfile.TemporaryFile() as result:
+      program_fds = {"assert": [token_r, result.fileno()], "call": [result.fileno()],
+                     "stdin": []}[mode]
+      config = {"uid": uid, "cpu_s": int(limits.cpu_time_s),
+                "memory_bytes": int(limits.memory_mb) << 20,
+                "file_bytes": int(limits.max_file_mb) << 20,
+                "nproc": _nproc_limit(limits.max_processes), "workdir_bytes": workdir_bytes,
+                "files": sorted(files), "status_fd": status_w, "program_fds": program_fds,
+                "python": sandbox_python(), "sockets": limits.sockets,
+                "cgroup_procs": cgroup.procs_file if cgroup else None,
+                "cgroup_events": cgroup.events_file if cgroup else None,
+                "watchdog_bytes": None if cgroup else int(limits.memory_mb) << 20,
+                "harness": {"mode": mode, "guards": bool(limits.python_guards),
+                            "token_fd": token_r, "result_fd": result.fileno(),
+                            "spec_file": _SPEC_FILE if mode != "stdin" else None,
+                            "max_result_bytes": int(limits.max_result_mb) << 20}}
+      env = {"PATH": "/usr/bin:/bin", "HOME": INSIDE, "TMPDIR": INSIDE, "LANG": "C.UTF-8",
+             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",
+             "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+      inp.write(stdin.encode("utf-8", errors="surrogateescape"))
       inp.seek(0)
       start = time.monotonic()
       process = subprocess.Popen(
-          [python, "-I", _LAUNCHER_FILE, json.dumps(config)],
+          [config["python"], "-I", _LAUNCHER_FILE, json.dumps(config)],
           cwd=workdir, env=env, stdin=inp, stdout=out, stderr=err, start_new_session=True,
-          pass_fds=(status_w, token_r, result_w))
-      for fd in (status_w, token_w, token_r, result_w):  # only the sandbox holds these now
+          pass_fds=(status_w, token_r, result.fileno()))
+      for fd in (status_w, token_w, token_r):  # only the sandbox holds these now
         os.close(fd)
         pipes.remove(fd)
       try:
@@ -291,35 +283,65 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
       except subprocess.TimeoutExpired:
         timed_out = True
       elapsed = time.monotonic() - start
-      killed = _kill_everything(process, uid)
+      killed = cleanup.kill_everything(process, uid, cgroup)
       process.wait()
-      stdout = _read_capped(out, limits.max_output_chars)
-      stderr = _read_capped(err, limits.max_output_chars)
-    status = _read_available(status_r, 1 << 16).decode("utf-8", errors="replace")
-    result = _read_available(result_r, 1 << 10)
-    returncode = _parse_status(status, process.returncode, stderr, timed_out)
-    if timed_out:
-      returncode = None
-    escaped = _remove_escaped_files(uid, workdir) if uid is not None else []
-    return RunResult(returncode=returncode, stdout=stdout, stderr=stderr, timed_out=timed_out,
-                     elapsed_s=elapsed, uid=uid, killed_processes=killed, escaped_files=escaped,
-                     assertions_passed=assertions is not None and returncode == 0 and result == token)
+      limit = int(limits.max_output_chars)
+      stdout = _read_capped(out, limit).decode("utf-8", errors="replace")
+      stderr = _read_capped(err, limit).decode("utf-8", errors="replace")
+      result_bytes = _read_capped(result, (int(limits.max_result_mb) << 20) + 1)
+    status = _read_available(status_r, 1 << 16).decode("utf-8", errors="replace").splitlines()
+    returncode, rejection = _parse_status(status)
+    memory_exceeded = "memory" in status or (cgroup is not None and cgroup.oom_killed())
+    escaped = cleanup.remove_escaped_files(uid, workdir) if uid is not None else []
+    run = RunResult(returncode=None if timed_out else returncode, stdout=stdout, stderr=stderr,
+                    timed_out=timed_out, elapsed_s=elapsed, uid=uid, killed_processes=killed,
+                    escaped_files=escaped, memory_exceeded=memory_exceeded)
+    if rejection:
+      run.rejected, run.reason = "too_large", rejection
+    elif not status and not timed_out and not memory_exceeded:
+      run.rejected = "sandbox_died"
+      run.reason = (f"the sandbox's launcher exited with code {process.returncode} before "
+                    "the program started")
+    elif mode == "assert":
+      run.assertions_passed = run.returncode == 0 and result_bytes == token
+    elif mode == "call" and run.returncode == 0:
+      try:
+        run.outputs = outputs_lib.decode(result_bytes, len(call["inputs"]))
+      except outputs_lib.Malformed as e:
+        run.outputs_error = f"the outputs could not be read: {e}"
+    return run
   finally:
     for fd in pipes:
       os.close(fd)
     shutil.rmtree(workdir, ignore_errors=True)
+    if cgroup is not None:
+      cgroup.remove()
 
 
 def isolation() -> str:
   """What contains a run in this process's mode (root or not), in words."""
-  common = ("mount, network, PID and IPC namespaces; read-only file system with a private tmpfs "
-            "work dir; rlimits; no_new_privs")
+  where = cgroups.hierarchy()
+  memory = (where.describe() if where is not None else
+            "RLIMIT_AS per process and a watchdog on the run's total")
+  common = ("mount, network, PID and IPC namespaces; a new read-only root with a private tmpfs "
+            "work dir; seccomp (AF_UNIX sockets only, no memfd/SysV shm, no namespaces); "
+            f"{memory}; rlimits; no_new_privs")
   if _IS_ROOT:
     return f"root: {common}; a fresh uid per run"
   return f"unprivileged: a user namespace with {common}; no capabilities"
 
 
 _available: list = []
+
+
+def check_limits(limits: SandboxLimits) -> None:
+  """Raises SandboxUnavailable, before any run, where `limits` cannot be enforced here."""
+  try:
+    sandbox_seccomp.syscalls()
+  except sandbox_seccomp.Unsupported as e:
+    _refuse(str(e))
+  if limits.require_memory_cgroup and cgroups.hierarchy() is None:
+    _memory_cgroup(limits)  # raises with the reason
 
 
 def check_available() -> str:
@@ -329,53 +351,7 @@ def check_available() -> str:
     if result.stdout != "ok\n":
       raise SandboxUnavailable(
           f"sandbox: the probe program did not run (exit code {result.returncode}, timed out: "
-          f"{result.timed_out}); stderr: {result.stderr[-300:]!r}")
+          f"{result.timed_out}{', ' + result.reason if result.reason else ''}); stderr: "
+          f"{result.stderr[-300:]!r}")
     _available.append(isolation())
   return _available[0]
-
-
-def _same_output(actual: str, expected: str) -> bool:
-  def lines(text):
-    out = [line.rstrip() for line in text.strip().splitlines()]
-    return out
-  return lines(actual) == lines(expected)
-
-
-def check_test_cases(test_cases: Sequence, where: str = "") -> None:
-  """Raises if a case is neither an assertion string nor {"input", "output"} (a caller bug)."""
-  for i, case in enumerate(test_cases):
-    if not (isinstance(case, str) or
-            (isinstance(case, dict) and "input" in case and "output" in case)):
-      raise ValueError(
-          f"{where}test case {i} must be a Python assertion string or a dict with 'input' and "
-          f"'output', got {type(case).__name__}: {str(case)[:80]!r}")
-
-
-def run_tests(program: str, test_cases: Sequence, limits: SandboxLimits = SandboxLimits()
-              ) -> TestOutcome:
-  """Runs `program` once per test case; a case is {"input", "output"} or a Python assertion string."""
-  check_test_cases(test_cases)
-  passed = timeouts = 0
-  first_failure = ""
-  for i, case in enumerate(test_cases):
-    if isinstance(case, str):
-      result = run_program(program, "", limits, assertions=[case])
-      ok = result.assertions_passed
-    else:
-      result = run_program(program, str(case["input"]), limits)
-      ok = result.returncode == 0 and _same_output(result.stdout, str(case["output"]))
-    passed += ok
-    timeouts += result.timed_out
-    if not ok and not first_failure:
-      why = ("timed out" if result.timed_out else
-             f"exit code {result.returncode}" if result.returncode != 0 else
-             "exited 0 before the assertions completed" if isinstance(case, str) else
-             "wrong output")
-      first_failure = f"test {i}: {why}; stderr tail: {result.stderr[-300:]!r}"
-  return TestOutcome(passed=passed, total=len(test_cases), timeouts=timeouts, message=first_failure)
-
-
-def run_tests_item(item) -> TestOutcome:
-  """Pool entry point: item = (program, test_cases, limits)."""
-  program, test_cases, limits = item
-  return run_tests(program, test_cases, limits)

@@ -1,6 +1,6 @@
 """Data and rewards: the Task protocol and its registry (``registry``), the
 bundled tasks (``synthetic``, ``chains``), dataset tasks (``dataset_task``,
-``reasoning_gym_task``), loaders (``data``, ``code_data``) and graders
+``reasoning_gym_task``), loaders (``data``, ``code_data``, ``rows``) and graders
 (``rewards``, ``reward_pool``).
 
 May import: config, sandboxing.

@@ -4,23 +4,29 @@ Each record becomes a `CodeExample` whose `tests` are `ba_jax.tasks.rewards.scor
 test cases, so grading runs in `ba_jax.sandboxing.sandbox`. Published formats read:
 
 * EvalPlus (`HumanEvalPlus-*.jsonl`, `MbppPlus-*.jsonl`, or the Hugging Face
-  copies): `task_id`, `prompt`, `entry_point`, `canonical_solution`, and either
-  `test` (HumanEval's `def check(candidate)`, called on the entry point, or
-  MBPP+'s script calling the function by name) or the release's
-  `base_input`/`plus_input`/`atol`. From the latter the expected outputs are
-  those of `canonical_solution`, computed in the same sandboxed run, compared
-  as EvalPlus does (exact, else within `atol`, 1e-6 for floats) with its
-  special oracles (`find_zero`, MBPP+'s set-valued and not-None tasks).
+  copies): `task_id`, `prompt`, `entry_point`, `canonical_solution`, and the
+  release's `base_input`/`plus_input`/`atol` or else `test` (HumanEval's
+  `def check(candidate)`, called on the entry point, or MBPP+'s script
+  calling the function by name). The release layout gives call tests: the
+  candidate's outputs come back as plain data and are compared outside its
+  process with those of `canonical_solution` (computed in a sandbox run of
+  their own), as EvalPlus does (exact, else the same type within `atol`,
+  1e-6 for floats) with its special oracles (`find_zero`, MBPP+'s set-valued
+  and not-None tasks). A `test` runs as assertion code, in a fresh namespace
+  holding the prompt's definitions and the candidate's entry point.
 * LiveCodeBench `code_generation_lite`: `question_content`, `starter_code`,
   `public_test_cases`/`private_test_cases` (JSON strings of
   `{input, output, testtype}`; the private ones may be base64 zlib pickles
-  of that string), `metadata` (JSON with `func_name`). `stdin` cases run the
-  program on the input; `functional` cases call `Solution().<func_name>` on
-  the JSON arguments, one per input line.
+  of that string, decompressed up to `MAX_DECOMPRESSED_BYTES`), `metadata`
+  (JSON with `func_name`). `stdin` cases run the program on the input;
+  `functional` cases call `Solution().<func_name>` on the JSON arguments,
+  one per input line, and compare the result with the JSON output outside
+  the program's process (a tuple read as a list, as LiveCodeBench does).
 
 A response is graded on its last fenced code block (or all of it, when it
-has none); for a function task the block is appended to the prompt, so
-helpers and imports of the prompt stay defined and a bare body completes it.
+has none), found in time linear in its length; for a function task the block
+is appended to the prompt, so helpers and imports of the prompt stay defined
+and a bare body completes it.
 """
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ MBPP_SET_OUTPUT = ("similar_elements", "find_char_long", "common_in_nested_lists
                    "extract_singly", "larg_nnum", "intersection_array",
                    "find_dissimilar", "Diff")
 MBPP_NOT_NONE_OUTPUT = ("check_str", "text_match_three", "text_starta_endb")
+MAX_DECOMPRESSED_BYTES = 256 << 20  # one LiveCodeBench test-case field, decompressed
 LEETCODE_IMPORTS = ("from typing import *\nfrom collections import *\nfrom functools import *\n"
                     "from itertools import *\nfrom heapq import *\nfrom bisect import *\n"
                     "import math\nimport string\nimport re\n\n")
@@ -75,8 +82,7 @@ def canonical_code_name(name: str) -> str:
   return data_lib.canonical_name(name, _ALIASES, CODE_SETS, "code benchmark")
 
 
-def _fail(path, row, field, problem):
-  raise data_lib.DataError(f"{path}: row {row}: field {field!r}: {problem}")
+_fail, _preview = data_lib.fail, data_lib.preview
 
 
 def _string(path, row, record, field, *, required=True) -> str:
@@ -85,96 +91,44 @@ def _string(path, row, record, field, *, required=True) -> str:
     return ""
   if not isinstance(value, str) or (required and not value.strip()):
     _fail(path, row, field, f"expected a non-empty string, got {type(value).__name__}: "
-          f"{str(value)[:80]!r} (row has fields {sorted(record)})")
+          f"{_preview(value)} (row has fields {sorted(record)})")
   return value
 
 
 # ----------------------------------------------------------------------------- EvalPlus
 
-_REFERENCE_HARNESS = '''
-import copy as _copy, json as _json, sys as _sys
-if hasattr(_sys, "set_int_max_str_digits"):  # EvalPlus has huge integers
-    _sys.set_int_max_str_digits(0)
-
-def _floats(x):
-    if isinstance(x, float):
-        return True
-    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(i, float) for i in x)
-
-def _allclose(out, exp, atol):
-    if isinstance(exp, (list, tuple)):
-        return (isinstance(out, (list, tuple)) and len(out) == len(exp)
-                and all(_allclose(o, e, atol) for o, e in zip(out, exp)))
-    try:
-        return abs(out - exp) <= atol + 1e-7 * abs(exp)
-    except TypeError:
-        return False
-
-def _same(out, exp, atol):
-    if out == exp:
-        return True
-    if atol == 0 and _floats(exp):
-        atol = 1e-6
-    return atol != 0 and _allclose(out, exp, atol)
-
-_namespace = {}
-exec(compile(%(reference)r, "<reference>", "exec"), _namespace)
-_reference, _candidate = _namespace[%(entry)r], %(entry)s
-for _i, _inp in enumerate(_json.loads(%(inputs)r)):
-    _out = _candidate(*_copy.deepcopy(_inp))
-%(check)s
-'''
-
-
-_CHECKS = {
-    # find_zero: any zero of the polynomial will do
-    "poly": "    assert abs(sum(c * _out ** k for k, c in enumerate(_inp[0]))) <= {atol!r}, "
-            "f'input {{_i}}: {{_out!r}} is no zero'",
-    "equal": "    _exp = _reference(*_copy.deepcopy(_inp))\n{same}",
-    "set": "    _exp = _reference(*_copy.deepcopy(_inp))\n"
-           "    _out, _exp = set(_out), set(_exp)\n{same}",
-    "not_none": "    _exp = _reference(*_copy.deepcopy(_inp))\n"
-                "    _out, _exp = _out is not None, _exp is not None\n{same}",
-}
-_SAME = ("    assert _same(_out, _exp, {atol!r}), "
-         "f'input {{_i}}: got {{_out!r:.200}}, expected {{_exp!r:.200}}'")
-
-
-def _check(entry_point: str, atol) -> str:
-  """The harness's comparison, with EvalPlus' special oracles by task."""
+def _compare_rule(entry_point: str) -> str:
+  """EvalPlus' comparison for a task, with its special oracles (`ba_jax.sandboxing.outputs`)."""
   if entry_point == "find_zero":
-    kind = "poly"
-  elif entry_point in MBPP_SET_OUTPUT:
-    kind = "set"
-  else:
-    kind = "not_none" if entry_point in MBPP_NOT_NONE_OUTPUT else "equal"
-  return _CHECKS[kind].format(atol=atol, same=_SAME.format(atol=atol))
+    return "find_zero"
+  if entry_point in MBPP_SET_OUTPUT:
+    return "set"
+  return "not_none" if entry_point in MBPP_NOT_NONE_OUTPUT else "evalplus"
 
 
 def _evalplus_tests(path, row, record, entry_point, prompt) -> tuple:
-  test = record.get("test")
-  if isinstance(test, str) and test.strip():
-    if re.search(r"^def check\(", test, re.M):  # HumanEval's convention
-      return (f"{test}\n\ncheck({entry_point})\n",)
-    return (test,)
   if record.get("base_input") is None:
-    _fail(path, row, "test", "missing, and no 'base_input' to test against either "
-          f"(row has fields {sorted(record)})")
+    test = record.get("test")
+    if not isinstance(test, str) or not test.strip():
+      _fail(path, row, "test", "missing, and no 'base_input' to test against either "
+            f"(row has fields {sorted(record)})")
+    if re.search(r"^def check\(", test, re.M):  # HumanEval's convention
+      test = f"{test}\n\ncheck({entry_point})\n"
+    return ({"assert": test, "entry_point": entry_point, "context": prompt},)
   solution_field = "canonical_solution" if "canonical_solution" in record else "code"
   reference = build_program(prompt, _string(path, row, record, solution_field), entry_point)
   atol = record.get("atol") or 0
-  if not isinstance(atol, (int, float)):
-    _fail(path, row, "atol", f"expected a number, got {atol!r}")
+  if not isinstance(atol, (int, float)) or isinstance(atol, bool):
+    _fail(path, row, "atol", f"expected a number, got {_preview(atol)}")
   tests = []
   for field in ("base_input", "plus_input"):
     inputs = record.get(field)
     if inputs is None or (field == "plus_input" and not inputs):
       continue
     if not isinstance(inputs, list) or not all(isinstance(i, list) for i in inputs):
-      _fail(path, row, field, f"expected a list of argument lists, got {str(inputs)[:80]!r}")
-    tests.append(_REFERENCE_HARNESS % dict(reference=reference, entry=entry_point,
-                                           inputs=json.dumps(inputs),
-                                           check=_check(entry_point, atol)))
+      _fail(path, row, field, f"expected a list of argument lists, got {_preview(inputs)}")
+    tests.append({"call": entry_point, "inputs": inputs, "reference": reference,
+                  "compare": _compare_rule(entry_point), "atol": atol})
   return tuple(tests)
 
 
@@ -204,32 +158,56 @@ class _StringsOnly(pickle.Unpickler):
     raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a test-case pickle")
 
 
+def _json(path, row, field, text: str, what: str = "JSON"):
+  try:
+    return json.loads(text)
+  except RecursionError:
+    _fail(path, row, field, f"{what} nested too deeply to read")
+  except ValueError as e:  # JSONDecodeError, or an integer over Python's digit limit
+    _fail(path, row, field, f"not valid {what}: {e}")
+
+
+def _inflate(data: bytes, path, row, field) -> bytes:
+  inflater = zlib.decompressobj()
+  out = inflater.decompress(data, MAX_DECOMPRESSED_BYTES + 1)
+  if len(out) > MAX_DECOMPRESSED_BYTES or inflater.unconsumed_tail:
+    _fail(path, row, field, f"decompresses to more than {MAX_DECOMPRESSED_BYTES} bytes "
+          "(code_data.MAX_DECOMPRESSED_BYTES)")
+  return out
+
+
 def decode_test_cases(value, path="", row=0, field="test_cases") -> list[dict]:
   """A JSON list of test cases, from JSON text or LiveCodeBench's base64 zlib pickle of it."""
   if isinstance(value, list):
     return value
   if not isinstance(value, str):
     _fail(path, row, field, f"expected a JSON string or a list, got {type(value).__name__}")
+  if value.lstrip().startswith(("[", "{")):
+    return _json(path, row, field, value)
   try:
-    return json.loads(value)
-  except json.JSONDecodeError:
-    pass
+    packed = base64.b64decode(value, validate=True)
+  except ValueError as e:
+    _fail(path, row, field, f"neither JSON nor base64 ({e})")
   try:
-    text = _StringsOnly(io.BytesIO(zlib.decompress(base64.b64decode(value)))).load()
-    return json.loads(text)
-  except Exception as e:  # noqa: BLE001 -- reported with the row
+    text = _StringsOnly(io.BytesIO(_inflate(packed, path, row, field))).load()
+  except data_lib.DataError:
+    raise
+  except Exception as e:  # noqa: BLE001 -- zlib/pickle errors, reported with the row
     _fail(path, row, field, f"neither JSON nor a base64 zlib pickle of JSON ({e})")
+  if not isinstance(text, str):
+    _fail(path, row, field, f"the pickle holds a {type(text).__name__}, not JSON text")
+  return _json(path, row, field, text, "JSON (in the zlib pickle)")
 
 
-def _functional_test(func_name: str, cases: list[dict]) -> str:
-  lines = ["import json as _json", "_solution = Solution()"]
-  for case in cases:
-    args = [line for line in str(case["input"]).split("\n") if line.strip()]
-    lines += [f"_out = _solution.{func_name}(*[_json.loads(a) for a in {args!r}])",
-              "_out = list(_out) if isinstance(_out, tuple) else _out",
-              f"assert _out == _json.loads({str(case['output'])!r}), "
-              f"'input ' + {str(case['input'])[:200]!r}"]
-  return "\n".join(lines) + "\n"
+def _functional_test(path, row, func_name: str, cases: list[dict]) -> dict:
+  inputs, expected = [], []
+  for i, case in enumerate(cases):
+    where = f"test_cases[{i}]"
+    lines = [line for line in str(case["input"]).split("\n") if line.strip()]
+    inputs.append([_json(path, row, f"{where}.input", line) for line in lines])
+    expected.append(_json(path, row, f"{where}.output", str(case["output"])))
+  return {"call": func_name, "class": "Solution", "inputs": inputs, "expected": expected,
+          "compare": "lcb"}
 
 
 def load_livecodebench(path: str) -> list[CodeExample]:
@@ -245,22 +223,20 @@ def load_livecodebench(path: str) -> list[CodeExample]:
     for i, case in enumerate(cases):
       if not isinstance(case, dict) or "input" not in case or "output" not in case:
         _fail(path, row, "test_cases", f"case {i}: expected {{input, output, testtype}}, "
-              f"got {str(case)[:80]!r}")
+              f"got {_preview(case)}")
     types = {c.get("testtype", "stdin") for c in cases}
     if not types <= {"stdin", "functional"} or len(types) > 1:
       _fail(path, row, "test_cases", f"testtype {sorted(types)}: expected all 'stdin' or "
             "all 'functional'")
     metadata = record.get("metadata") or {}
     if isinstance(metadata, str):
-      try:
-        metadata = json.loads(metadata) if metadata.strip() else {}
-      except json.JSONDecodeError as e:
-        _fail(path, row, "metadata", f"not valid JSON ({e}): {metadata[:80]!r}")
+      metadata = _json(path, row, "metadata", metadata) if metadata.strip() else {}
     if types == {"functional"}:
       func_name = metadata.get("func_name")
       if not isinstance(func_name, str) or not func_name.isidentifier():
-        _fail(path, row, "metadata", f"functional tests need metadata.func_name, got {metadata!r}")
-      kind, tests, entry = "leetcode", (_functional_test(func_name, cases),), func_name
+        _fail(path, row, "metadata", f"functional tests need metadata.func_name, got "
+              f"{_preview(metadata)}")
+      kind, tests, entry = "leetcode", (_functional_test(path, row, func_name, cases),), func_name
     else:
       kind, entry = "stdin", ""
       tests = tuple({"input": c["input"], "output": c["output"]} for c in cases)
@@ -273,21 +249,26 @@ def load_livecodebench(path: str) -> list[CodeExample]:
   return examples
 
 
-_IMPORT = re.compile(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", re.M)
+_IMPORT = re.compile(r"^[ \t]*(?:import|from)[ \t]+([A-Za-z_]\w*)", re.M)
 
 
 def check_test_imports(examples: list[CodeExample]) -> None:
-  """Raises when tests import a module the sandbox's interpreter lacks (EvalPlus'
-  `test` strings import numpy): every sample would fail, so say so instead."""
+  """Raises when tests (or reference solutions) import a module the sandbox's interpreter
+  lacks (EvalPlus' `test` strings import numpy): every sample would fail, so say so instead."""
   import sys
   from ba_jax.sandboxing import sandbox
   wanted = {}
   for e in examples:
     for case in e.tests:
       if isinstance(case, str):
-        for module in _IMPORT.findall(case):
-          if module not in sys.stdlib_module_names:
-            wanted.setdefault(module, e.task_id)
+        code = case
+      elif isinstance(case, dict):  # assertion code and its context, or a reference solution
+        code = "\n".join(case.get(k, "") for k in ("assert", "context", "reference"))
+      else:
+        continue
+      for module in _IMPORT.findall(code):
+        if module not in sys.stdlib_module_names:
+          wanted.setdefault(module, e.task_id)
   for module, task_id in sorted(wanted.items()):
     if not _sandbox_can_import(module):
       raise ValueError(
@@ -329,7 +310,7 @@ def load_code_set(name: str, path: str) -> list[CodeExample]:
 
 # ----------------------------------------------------------------------------- prompts, programs
 
-_FENCE = re.compile(r"```[ \t]*[A-Za-z0-9_+-]*[ \t]*\n(.*?)```", re.S)
+_LANGUAGE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_+-")
 _CODE_INSTRUCTION = {
     "function": "Complete the following Python function. Write the whole function in a "
                 "```python code block.\n\n```python\n{prompt}\n```",
@@ -356,10 +337,33 @@ def format_code_prompt(example: CodeExample, template: str, tokenizer=None) -> s
   return instruction + "\n\n```python\n"
 
 
+def _skip(text: str, i: int, chars) -> int:
+  while i < len(text) and text[i] in chars:
+    i += 1
+  return i
+
+
+def _fenced_blocks(text: str) -> list[str]:
+  """What the regex "```[ \\t]*[lang]*[ \\t]*\\n(.*?)```" (re.S) finds, in one left-to-right pass:
+  each position is scanned once, so the time is linear in len(text) whatever it holds."""
+  blocks, i = [], text.find("```")
+  while i != -1:
+    j = _skip(text, _skip(text, _skip(text, i + 3, " \t"), _LANGUAGE_CHARS), " \t")
+    if j < len(text) and text[j] == "\n":
+      end = text.find("```", j + 1)
+      if end == -1:
+        break  # no later opening can close either
+      blocks.append(text[j + 1:end])
+      i = text.find("```", end + 3)
+    else:
+      i = text.find("```", i + 1)
+  return blocks
+
+
 def extract_code(response: str) -> str:
   """The last complete fenced block; else the text before a closing fence (a
   prompt that opened it); else everything."""
-  blocks = _FENCE.findall(response)
+  blocks = _fenced_blocks(response)
   if blocks:
     return blocks[-1]
   if "```" in response:
@@ -373,7 +377,9 @@ def extract_code(response: str) -> str:
 def build_program(prompt: str, code: str, entry_point: str) -> str:
   """A whole function is appended to the prompt (its stub is redefined); a
   bare body continues it."""
-  if re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", code, re.M):
+  # [ \t], not \s: with re.M, \s* at each line start would run on over every blank
+  # line that follows (quadratic in their number).
+  if re.search(rf"^[ \t]*def[ \t]+{re.escape(entry_point)}[ \t]*\(", code, re.M):
     return prompt.rstrip() + "\n\n\n" + code
   return prompt + code
 

@@ -2,19 +2,21 @@
 
 Loaders read local files (parquet, jsonl, json) or, for a directory or a
 dataset name, go through `datasets.load_dataset` (the local cache when
-offline). Every record becomes an `Example`; a bad row raises an error naming
-the file, the row and the field.
+offline). Every record becomes an `Example`; a bad row (malformed JSON, a value
+nested too deeply or an integer too long to read, a missing or empty field)
+raises a `DataError` naming the file, the row and, where one is to blame, the field.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from fractions import Fraction
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
+
+from ba_jax.tasks import rows
 
 DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response "
                "should be of the form Answer: $Answer (without quotes) where $Answer is the "
@@ -41,107 +43,8 @@ class ExampleList(list):
     self.stats = dict(stats or {})
 
 
-class DataError(ValueError):
-  """A malformed row: the message names the file, the row and the field."""
-
-
-def _fail(path, row, field, problem):
-  raise DataError(f"{path}: row {row}: field {field!r}: {problem}")
-
-
-# ----------------------------------------------------------------------------- reading rows
-
-
-def _decode_line(path, i, raw: bytes) -> str:
-  try:
-    return raw.decode("utf-8-sig" if i == 0 else "utf-8")
-  except UnicodeDecodeError as e:
-    bad = raw[e.start:e.start + 4]
-    raise DataError(f"{path}: row {i} (line {i + 1}): not valid UTF-8 at byte {e.start} of the "
-                    f"line ({bad!r}); the file must be UTF-8 encoded") from None
-
-
-def _read_jsonl(path) -> Iterator[tuple[int, dict]]:
-  with open(path, "rb") as f:  # bytes, so that a bad byte is reported with its line
-    for i, raw in enumerate(f):
-      line = _decode_line(path, i, raw)
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise DataError(f"{path}: row {i} (line {i + 1}): not valid JSON: {e}") from None
-      if not isinstance(record, dict):
-        raise DataError(f"{path}: row {i}: expected a JSON object, got {type(record).__name__}")
-      yield i, record
-
-
-def _read_json(path):
-  with open(path, "rb") as f:
-    raw = f.read()
-  if not raw.strip():
-    raise DataError(f"{path}: the file is empty ({len(raw)} bytes); expected a JSON list of "
-                    "records")
-  try:
-    text = raw.decode("utf-8-sig")
-  except UnicodeDecodeError as e:
-    line = raw.count(b"\n", 0, e.start) + 1
-    raise DataError(f"{path}: line {line}: not valid UTF-8 at byte {e.start} "
-                    f"({raw[e.start:e.start + 4]!r}); the file must be UTF-8 encoded") from None
-  try:
-    return json.loads(text)
-  except json.JSONDecodeError as e:
-    raise DataError(f"{path}: line {e.lineno} column {e.colno}: not valid JSON: {e.msg}") from None
-
-
-def read_rows(path: str) -> Iterator[tuple[int, dict]]:
-  """Yields (row number, record) from a .jsonl/.json/.parquet file or a dataset dir/name.
-
-  A jsonl row number is its 0-based line index; errors also give the 1-based line.
-  """
-  path = os.fspath(path)
-  if os.path.isfile(path):
-    lower = path.lower()
-    if lower.endswith((".jsonl", ".ndjson")):
-      yield from _read_jsonl(path)
-      return
-    if lower.endswith(".json"):
-      data = _read_json(path)
-      if isinstance(data, dict):  # {"data": [...]} or column-oriented {"col": [...]}
-        lists = [v for v in data.values() if isinstance(v, list)]
-        if len(data) == 1 and lists:
-          data = lists[0]
-        elif lists and all(isinstance(v, list) and len(v) == len(lists[0]) for v in data.values()):
-          data = [dict(zip(data, values)) for values in zip(*data.values())]
-      if not isinstance(data, list):
-        raise DataError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
-      for i, record in enumerate(data):
-        if not isinstance(record, dict):
-          raise DataError(f"{path}: row {i}: expected a JSON object, got {type(record).__name__}")
-        yield i, record
-      return
-    if lower.endswith(".parquet"):
-      import pyarrow.parquet as pq
-      try:
-        rows = pq.read_table(path).to_pylist()
-      except Exception as e:  # pyarrow raises its own error types, without the file name
-        raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
-      for i, record in enumerate(rows):
-        yield i, record
-      return
-    raise DataError(f"{path}: unsupported file type; expected .jsonl, .json or .parquet")
-  # A directory of data files or a dataset name in the local Hugging Face cache.
-  import datasets
-  try:
-    dataset = datasets.load_dataset(path)
-  except Exception as e:
-    raise DataError(
-        f"{path}: not a file, and datasets.load_dataset could not load it from a local "
-        f"directory or the Hugging Face cache ({type(e).__name__}: {e})") from e
-  splits = list(dataset.keys())
-  split = next((s for s in ("test", "train", "validation") if s in splits), splits[0])
-  for i, record in enumerate(dataset[split]):
-    yield i, record
+DataError, fail, preview, read_rows = rows.DataError, rows.fail, rows.preview, rows.read_rows
+_fail = fail
 
 
 def _text(path, row, record, field, *, required=True) -> str | None:
@@ -150,11 +53,13 @@ def _text(path, row, record, field, *, required=True) -> str | None:
     if required:
       _fail(path, row, field, f"missing (row has fields {sorted(record)})")
     return None
-  if isinstance(value, (int, float)) and not isinstance(value, bool):
+  if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    return str(int(value))
+  if isinstance(value, (float, np.floating)):
     # AMC/AIME answers are sometimes stored as floats (27.0): keep integers integral.
     return str(int(value)) if float(value).is_integer() else str(value)
   if not isinstance(value, str):
-    _fail(path, row, field, f"expected a string, got {type(value).__name__}: {str(value)[:80]!r}")
+    _fail(path, row, field, f"expected a string, got {type(value).__name__}: {preview(value)}")
   if required and not value.strip():
     _fail(path, row, field, "empty string")
   return value
@@ -177,6 +82,9 @@ def load_dapo_math(path_or_name: str, *, dedup: bool = True) -> ExampleList:
 
   The public copy repeats each prompt ~100 times; `dedup` keeps the first row
   of each (prompt, ground truth) and `stats["duplicates_dropped"]` counts the rest.
+  A row whose user message holds no problem text once DAPO's instruction
+  wrapper (and surrounding whitespace) is removed is a DataError, like any
+  malformed row.
   """
   examples, seen, rows = [], set(), 0
   for row, record in read_rows(path_or_name):
@@ -186,12 +94,12 @@ def load_dapo_math(path_or_name: str, *, dedup: bool = True) -> ExampleList:
       messages = list(messages)
     if not isinstance(messages, list) or not messages:
       _fail(path_or_name, row, "prompt", f"expected a non-empty list of chat messages, got "
-            f"{type(messages).__name__}: {str(messages)[:80]!r}")
+            f"{type(messages).__name__}: {preview(messages)}")
     for j, message in enumerate(messages):
       if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
           or not isinstance(message.get("role"), str):
         _fail(path_or_name, row, f"prompt[{j}]",
-              f"expected {{'role': str, 'content': str}}, got {str(message)[:80]!r}")
+              f"expected {{'role': str, 'content': str}}, got {preview(message)}")
     reward_model = record.get("reward_model")
     if not isinstance(reward_model, dict):
       _fail(path_or_name, row, "reward_model", f"expected a dict with 'ground_truth', got "
@@ -199,13 +107,17 @@ def load_dapo_math(path_or_name: str, *, dedup: bool = True) -> ExampleList:
     if reward_model.get("ground_truth") is None:
       _fail(path_or_name, row, "reward_model.ground_truth", "missing")
     answer = _text(path_or_name, row, reward_model, "ground_truth")
-    user = next((m["content"] for m in messages if m["role"] == "user"), messages[-1]["content"])
+    user = next((j for j, m in enumerate(messages) if m["role"] == "user"), len(messages) - 1)
+    problem = _problem_from_dapo_prompt(messages[user]["content"])
+    if not problem.strip():
+      _fail(path_or_name, row, f"prompt[{user}].content", "no problem text once DAPO's "
+            f"instruction wrapper is removed: {preview(messages[user]['content'])}")
     key = (tuple((m["role"], m["content"]) for m in messages), answer)
     if dedup and key in seen:
       continue
     seen.add(key)
     examples.append(Example(
-        problem=_problem_from_dapo_prompt(user), answer=answer,
+        problem=problem, answer=answer,
         source=str(record.get("data_source") or "math_dapo"),
         prompt=[dict(role=m["role"], content=m["content"]) for m in messages],
         meta={"ability": record.get("ability"), "extra_info": record.get("extra_info"),
@@ -226,8 +138,9 @@ def parse_difficulty(value, path="", row=0) -> float:
     if isinstance(value, bool):
       raise TypeError
     return float(value)
-  except (TypeError, ValueError, ZeroDivisionError):
-    _fail(path, row, "difficulty", f"expected a number or a fraction like '3/8', got {value!r}")
+  except (TypeError, ValueError, ZeroDivisionError, OverflowError):
+    _fail(path, row, "difficulty",
+          f"expected a number or a fraction like '3/8', got {preview(value)}")
 
 
 def load_polaris(path: str, *, min_difficulty: float | None = None,
@@ -297,7 +210,7 @@ def _eval_answer(path, row, record, fields) -> str:
     if isinstance(value, (list, tuple, np.ndarray)):  # OlympiadBench: ["$\\frac{1}{2}$"]
       parts = [str(v).strip() for v in value]
       if not parts or not all(parts):
-        _fail(path, row, field, f"expected a non-empty list of answers, got {value!r}")
+        _fail(path, row, field, f"expected a non-empty list of answers, got {preview(value)}")
       return ", ".join(p[1:-1] if len(p) > 1 and p[0] == p[-1] == "$" else p for p in parts)
     if value is not None:
       return _text(path, row, record, field)

@@ -57,13 +57,23 @@ class RewardBatch:
   extracted: list = dataclasses.field(default_factory=list)  # answer string or None, per item
   messages: list = dataclasses.field(default_factory=list)  # why an item failed, "" if fine
   distinct_graded: int = 0  # distinct (answer, ground truth) pairs sent to math-verify
+  # Code: samples scored 0 without being judged, by reason ("too_large", "invalid_text",
+  # "sandbox_died", "reference_failed"), and runs killed at the memory limit.
+  rejected: dict = dataclasses.field(default_factory=dict)
+  memory_exceeded: int = 0
 
   def metrics(self) -> dict[str, float]:
     n = max(len(self.scores), 1)
-    return {"reward/mean": float(np.mean(self.scores)) if len(self.scores) else 0.0,
-            "reward/accuracy": float(np.mean(self.correct)) if len(self.correct) else 0.0,
-            "reward/timeouts": float(self.timeouts), "reward/errors": float(self.errors),
-            "reward/no_answer_frac": sum(e is None for e in self.extracted) / n}
+    out = {"reward/mean": float(np.mean(self.scores)) if len(self.scores) else 0.0,
+           "reward/accuracy": float(np.mean(self.correct)) if len(self.correct) else 0.0,
+           "reward/timeouts": float(self.timeouts), "reward/errors": float(self.errors),
+           "reward/no_answer_frac": sum(e is None for e in self.extracted) / n}
+    if self.rejected or self.memory_exceeded:
+      out["reward/memory_exceeded"] = float(self.memory_exceeded)
+      out["reward/rejected"] = float(sum(self.rejected.values()))
+      out.update({f"reward/rejected/{reason}": float(count)
+                  for reason, count in sorted(self.rejected.items())})
+    return out
 
 
 def _check_rule(rule: str):
@@ -280,44 +290,55 @@ def score_code(programs: Sequence[str], test_cases: Sequence[Sequence], *,
                all_or_nothing: bool = False, pool: reward_pool.TimeoutPool | None = None,
                limits=None, correct_score: float = 1.0, incorrect_score: float = 0.0
                ) -> RewardBatch:
-  """Runs each program against its tests in the sandbox (`ba_jax.sandboxing.sandbox`).
+  """Runs each program against its tests in the sandbox (`ba_jax.sandboxing.judge`).
 
-  A test case is `{"input": stdin, "output": expected_stdout}` (passes when the
-  output matches and the exit status is 0) or a string of Python run after the
-  program (e.g. `"assert f(2) == 4"`; passes only when the sandbox's per-run
-  token proves that it ran to the end without raising). The score is the
-  fraction of tests passed (mapped onto [incorrect_score, correct_score]), or
-  all-or-nothing. With `pool`, programs run concurrently in its workers.
+  A test case is `{"input": stdin, "output": expected_stdout}`, a call test
+  (`{"call": name, "inputs": [...], "expected": [...]}` or with a `reference`
+  program; the outputs are compared outside the program's process), or
+  assertion code (e.g. `"assert f(2) == 4"`, passing only when the harness's
+  per-run token proves that it ran to the end without raising). The score is
+  the fraction of tests passed (mapped onto [incorrect_score, correct_score]),
+  or all-or-nothing. A sample that cannot run (too large for the sandbox, not
+  valid text, a launcher that died) scores incorrect_score and is counted in
+  `rejected`; only a sandbox the kernel refuses raises. With `pool`, programs
+  run concurrently in its workers.
   """
+  from ba_jax.sandboxing import judge
   from ba_jax.sandboxing import sandbox
   _check_lengths(programs, test_cases, "programs", "test_cases")
   limits = limits or sandbox.SandboxLimits()
   for i, cases in enumerate(test_cases):
-    sandbox.check_test_cases(cases, f"program {i}: ")
+    judge.check_test_cases(cases, f"program {i}: ")
   sandbox.check_available()  # refuse here, with the reason, rather than score every program 0
-  items = [(str(p), list(t), limits) for p, t in zip(programs, test_cases)]
+  sandbox.check_limits(limits)
+  items = [(p if isinstance(p, str) else str(p), list(t), limits)
+           for p, t in zip(programs, test_cases)]
   if pool is not None:
-    budget = limits.wall_time_s * max([len(t) for t in test_cases] + [1]) + 30.0
-    results = pool.map(sandbox.run_tests_item, items, timeout_s=max(budget, pool.timeout_s))
+    # A call test with a reference costs two runs the first time a worker sees it.
+    budget = limits.wall_time_s * 2 * max([len(t) for t in test_cases] + [1]) + 30.0
+    results = pool.map(judge.run_tests_item, items, timeout_s=max(budget, pool.timeout_s))
   else:
     results = []
     for item in items:
       try:
-        results.append(reward_pool.ItemResult("ok", sandbox.run_tests_item(item)))
+        results.append(reward_pool.ItemResult("ok", judge.run_tests_item(item)))
       except sandbox.SandboxUnavailable:
         raise
       except Exception as e:  # noqa: BLE001 -- counted, scored 0
         results.append(reward_pool.ItemResult("error", None, f"{type(e).__name__}: {e}"))
-  fractions, timeouts, messages = [], 0, []
+  fractions, timeouts, messages, rejected, memory = [], 0, [], {}, 0
   for r in results:
     if r.status != "ok":
       fractions.append(0.0)
       timeouts += r.status == "timeout"
-      messages.append(r.message)
+      messages.append(r.message[:500])
       continue
     outcome = r.value
-    fractions.append(outcome.passed / max(outcome.total, 1))
+    fractions.append(outcome.passed / max(outcome.total, 1) if not outcome.rejected else 0.0)
     timeouts += outcome.timeouts
+    memory += outcome.memory_exceeded
+    if outcome.rejected:
+      rejected[outcome.rejected] = rejected.get(outcome.rejected, 0) + 1
     messages.append(outcome.message)
   fractions = np.asarray(fractions, dtype=np.float64)
   correct = fractions >= 1.0
@@ -326,4 +347,5 @@ def score_code(programs: Sequence[str], test_cases: Sequence[Sequence], *,
   scores = (incorrect_score + (correct_score - incorrect_score) * fractions).astype(np.float32)
   return RewardBatch(scores=scores, correct=correct, timeouts=int(timeouts),
                      errors=sum(r.status == "error" for r in results),
-                     extracted=[None] * len(results), messages=messages)
+                     extracted=[None] * len(results), messages=messages, rejected=rejected,
+                     memory_exceeded=memory)
