@@ -54,3 +54,7 @@ def _main():
 
   app.run(main)
 
+
+
+if __name__ == "__main__":
+  _main()

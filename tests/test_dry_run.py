@@ -321,7 +321,7 @@ def test_kv_cache_budget_sets_the_slots():
     setup_lib.make_setup(_slot_config(kv_cache_gib=gib, max_slots=44), abstract=True)
   with pytest.raises(ValueError, match=r"rl.kv_cache_gib=.*holds no slot"):
     setup_lib.make_setup(_slot_config(kv_cache_gib=0.5 * per_slot / 2**30), abstract=True)
-  with pytest.raises(ValueError, match=r"rl.kv_cache_gib=-1.0: expected finite and >= 0"):
+  with pytest.raises(ValueError, match=r"rl.kv_cache_gib=-1.0: expected >= 0"):
     setup_lib.make_setup(_slot_config(kv_cache_gib=-1.0), abstract=True)
 
 
