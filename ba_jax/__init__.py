@@ -1,8 +1,8 @@
 """ba_jax: GRPO-style RL of LLMs in JAX, built around Balanced Aggregation.
 
 Commands: ``python -m ba_jax.train``, ``.evaluate``, ``.export``,
-``.dry_run``, ``.convert_gguf``; the packages are described in README.md's
-Layout section.
+``.dry_run``, ``.convert_gguf``, ``.accelerator_check``; the packages are
+described in README.md's Layout section.
 """
 import os
 

@@ -47,7 +47,7 @@ def main():
   config.sft.steps = args.sft_steps
   config.task.grader = args.grader
   config.log.progress_bar = False
-  config.log.tensorboard = False
+  config.log.backends = ""
   config.checkpoint.every = 0
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory() as workdir:

@@ -133,7 +133,7 @@ def warm_up(config, out_dir: pathlib.Path, log) -> dict:
   c = copy.deepcopy(config)
   c.rl.steps = 0
   c.checkpoint.every = 0
-  c.log.update(progress_bar=False, tensorboard=False)
+  c.log.update(progress_bar=False, backends="")
   workdir = out_dir.parent / (out_dir.name + "_workdir")
   shutil.rmtree(workdir, ignore_errors=True)
   log(f"warm-up: {c.sft.steps} supervised steps -> {out_dir}")
@@ -160,7 +160,7 @@ def cell_config(base, *, seed: int, loss: str, steps: int, init_from: str,
   c.sft.steps = 0
   c.eval.every = eval_every if 0 < eval_every < steps else 0
   c.checkpoint.every = 0
-  c.log.update(progress_bar=False, tensorboard=False)
+  c.log.update(progress_bar=False, backends="")
   return c
 
 

@@ -81,7 +81,7 @@ def rl_run(job, init_dir, args, threads) -> dict:
     ablation._run(ablation._train_cmd(CONFIG, variant, workdir, [
         f"--config.seed={seed}", f"--config.init_from={init_dir}",
         "--config.sft.steps=0", "--config.log.progress_bar=False",
-        "--config.log.tensorboard=False", *args.override]),
+        "--config.log.backends=", *args.override]),
         workdir / "log.txt", threads)
     (workdir / "wall_s.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
     print(f"[{time.strftime('%H:%M:%S')}] done {workdir.name}", flush=True)

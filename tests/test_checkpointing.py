@@ -25,7 +25,7 @@ TIMING = ("time_sampling", "time_rewards", "time_training", "time_step",
 def _fast_config(**overrides):
   """The smoke config without warm-up or evaluation: only RL steps."""
   base = {"sft.steps": 0, "rl.steps": 6, "rl.num_minibatches": 1,
-          "checkpoint.every": 0, "log.tensorboard": False,
+          "checkpoint.every": 0, "log.backends": "",
           "eval.num_problems": 8, "eval.samples_per_problem": 1}
   base.update(overrides)
   return tu.smoke_config(**base)
@@ -94,7 +94,7 @@ def test_sigterm_saves_and_the_run_resumes(tmp_path):
   args = ["ba_jax.train", "--config=configs/tiny.py:smoke",
           f"--workdir={workdir}", "--config.sft.steps=0",
           f"--config.rl.steps={steps}", "--config.rl.num_minibatches=1",
-          "--config.checkpoint.every=0", "--config.log.tensorboard=False",
+          "--config.checkpoint.every=0", "--config.log.backends=",
           "--config.eval.num_problems=8", "--config.eval.samples_per_problem=1"]
   proc = subprocess.Popen([sys.executable, "-m", *args], cwd=tu.REPO,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -23,7 +23,8 @@ ARGS = ["--config=configs/tiny.py:smoke", "--config.sft.steps=0",
         "--config.rl.prompts_per_step=8", "--config.optim.eps=1e-3",
         "--config.rl.steps=2", "--config.rl.overlong=soft",
         "--config.rl.overlong_buffer=20",
-        "--config.log.tensorboard=False", "--config.checkpoint.every=0",
+        "--config.log.backends=", "--config.log.samples_every=1",
+        "--config.checkpoint.every=0",
         "--config.eval.num_problems=8", "--config.eval.samples_per_problem=1"]
 
 
@@ -78,6 +79,10 @@ def test_two_processes_agree_with_one(tmp_path):
                                  err_msg=f"step {step} {name}")
     for exact in ("accuracy", "reward_mean", "length_mean", "sampled_tokens"):
       assert b[step][exact] == a[step][exact]
+  # The samples tables: process 0's first groups, their aggregation weights
+  # from the gathered batch, as one process gives them.
+  samples = [(workdir / "samples.jsonl").read_text() for workdir in (single, multi)]
+  assert samples[0] == samples[1] and samples[0].count("\n") == 2 * 2 * 4
   assert a[1]["reward_std"] > 0 and a[2]["update_norm"] > 0
   m1, _, _ = workdir_lib.restore_policy(str(single))
   m2, _, _ = workdir_lib.restore_policy(str(multi))

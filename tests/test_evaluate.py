@@ -151,7 +151,7 @@ def test_cli_on_a_workdir_the_trainer_wrote(tmp_path):
   from ba_jax.run import trainer
   workdir = tmp_path / "run"
   config = tu.smoke_config(**{"sft.steps": 0, "rl.steps": 1, "rl.num_minibatches": 1,
-                              "log.tensorboard": False, "eval.num_problems": 8,
+                              "log.backends": "", "eval.num_problems": 8,
                               "eval.samples_per_problem": 1})
   out = trainer.run(config, str(workdir))
   model, _, tokenizer = eval_lib.load_policy(str(workdir))

@@ -31,7 +31,8 @@ ALLOWED = {
             "tasks"},
     "scaling": {"config", "policy", "generation", "update", "run"},
 }
-COMMANDS = ("train", "evaluate", "export", "dry_run", "convert_gguf")
+COMMANDS = ("train", "evaluate", "export", "dry_run", "convert_gguf",
+            "accelerator_check")
 
 
 def module_name(path: pathlib.Path) -> str:

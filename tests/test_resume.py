@@ -109,7 +109,7 @@ def _fast_config(**overrides):
   """The smoke config without warm-up: RL steps only, a small evaluation."""
   base = {"sft.steps": 0, "rl.steps": 3, "rl.num_minibatches": 1,
           "checkpoint.every": 1, "checkpoint.keep": 5,
-          "log.tensorboard": False, "eval.num_problems": 8,
+          "log.backends": "", "eval.num_problems": 8,
           "eval.samples_per_problem": 1}
   base.update(overrides)
   return tu.smoke_config(**base)
@@ -216,7 +216,7 @@ def test_a_config_saved_before_the_rollout_cache_keys_resumes():
 
 
 def test_runtime_keys_may_change_and_allowed_changes_are_recorded(resumable):
-  free = {"rl.steps": 0, "log.tensorboard": True, "checkpoint.every": 7,
+  free = {"rl.steps": 0, "log.backends": "tensorboard", "checkpoint.every": 7,
           "eval.every": 5, "mesh.data": 4, "mesh.fsdp": 2,
           "stop_after_steps": 9, "rl.prefill_chunk": 8, "rl.cache_phases": 1}
   out = trainer.run(_fast_config(**free), resumable)

@@ -53,13 +53,13 @@ def test_train_export_evaluate_on_a_bucket_leave_nothing_local(tmp_path,
   def config(**overrides):
     return tu.smoke_config(**{
         "sft.steps": 0, "rl.steps": 2, "rl.num_minibatches": 1,
-        "checkpoint.every": 1, "log.tensorboard": False,
+        "checkpoint.every": 1, "log.backends": "",
         "eval.num_problems": 8, "eval.samples_per_problem": 1, **overrides})
 
-  first = trainer.run(config(stop_after_steps=1, **{"log.tensorboard": True}),
+  first = trainer.run(config(stop_after_steps=1, **{"log.backends": "tensorboard"}),
                       "gs://b/run")
   assert first["step"] == 1
-  out = trainer.run(config(**{"log.tensorboard": True}), "gs://b/run")  # resumed from the bucket
+  out = trainer.run(config(**{"log.backends": "tensorboard"}), "gs://b/run")  # resumed from the bucket
   assert out["step"] == 2
   export.export("gs://b/run", "gs://b/hf")
   settings = eval_lib.EvalSettings(n_samples=1, rule="answer",

@@ -118,7 +118,7 @@ def test_kv_cache_budget_runs_rollouts_and_eval_through_the_engine(tmp_path, mon
   from ba_jax.generation import engine
   from ba_jax.policy import kv_cache
   from ba_jax.generation import sampler
-  config = tu.smoke_config(**{"sft.steps": 0, "rl.steps": 1, "log.tensorboard": False,
+  config = tu.smoke_config(**{"sft.steps": 0, "rl.steps": 1, "log.backends": "",
                               "checkpoint.every": 0, "rl.prefill_chunk": 4,
                               "rl.cache_phases": 2})
   calls, real = [], sampler.sample_groups
@@ -145,7 +145,7 @@ def test_kv_cache_budget_runs_rollouts_and_eval_through_the_engine(tmp_path, mon
 # old way to get there, is now refused by the config validation).
 NONFINITE = {"sft.steps": 0, "rl.steps": 6, "rl.num_minibatches": 1,
              "rl.max_nonfinite": 2, "loss.entropy_coef": 1e300,
-             "log.tensorboard": False, "checkpoint.every": 0}
+             "log.backends": "", "checkpoint.every": 0}
 
 
 @pytest.mark.slow

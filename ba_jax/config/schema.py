@@ -207,12 +207,34 @@ class Eval:
   data_dir: str = key("", "dataset tasks: the folder of <benchmark>.jsonl files")
 
 
+LOG_BACKENDS = ("tensorboard", "wandb")
+
+
+def _backend_list(value) -> bool:
+  names = [n.strip() for n in value.split(",") if n.strip()]
+  return all(n in LOG_BACKENDS for n in names) and len(set(names)) == len(names)
+
+
 @dataclasses.dataclass(frozen=True)
 class Log:
-  """Where metrics go."""
-  tensorboard: bool = key(True, "TensorBoard event files under the workdir", free=True)
+  """Where metrics go (ba_jax.run.tracking; the workdir's jsonl files always)."""
+  backends: str = key("tensorboard", "besides the workdir's jsonl files (always written): "
+                      "comma-separated tensorboard, wandb ('': jsonl only)",
+                      check=Check(lambda x: isinstance(x, str) and _backend_list(x),
+                                  "comma-separated names among " + ", ".join(LOG_BACKENDS)),
+                      free=True)
   progress_bar: bool = key(True, "a progress bar (off for pod logs: one line per step)",
                            free=True)
+  samples_every: int = key(10, "every this many RL steps, a table of sampled completions "
+                           "to samples.jsonl and W&B (0: never)", check=at_least(0),
+                           free=True)
+  samples_groups: int = key(2, "groups (a prompt's G responses) in each samples table",
+                            check=at_least(1), free=True)
+  wandb_project: str = key("ba_jax", "W&B project", free=True)
+  wandb_entity: str = key("", "W&B entity ('': the account's default)", free=True)
+  wandb_mode: str = key("auto", "W&B: online, offline (sync later), or auto: WANDB_MODE "
+                        "if set, else online with an API key and offline without",
+                        choices=("auto", "online", "offline"), free=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,6 +392,12 @@ class RunConfig:
   log: Log = dataclasses.field(default_factory=Log)
 
 
+# Keys a config no longer has -> what replaced them. A config setting one
+# is an error that says so; a saved run's config.json may still hold one
+# (``drop_retired``).
+RETIRED = {"log.tensorboard": "log.backends (list 'tensorboard' there, or '' for none)"}
+
+
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)
             if f.default_factory is not dataclasses.MISSING and f.name != "task"}
 
@@ -419,6 +447,9 @@ def _section(cls, values: dict, prefix: str):
   hints = typing.get_type_hints(cls)
   fields = {f.name: f for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - set(fields))
+  retired = [prefix + k for k in unknown if prefix + k in RETIRED]
+  if retired:
+    raise ValueError(f"{retired[0]}: no longer a key; use {RETIRED[retired[0]]}")
   if unknown:
     raise ValueError(f"{prefix}{unknown[0]}: unknown key (a typo?); the "
                      f"{prefix.rstrip('.') or 'top'} section's keys are "
@@ -456,6 +487,17 @@ def task_section(values) -> Any:
   if name not in TASK_SECTIONS:
     raise ValueError(f"task.name={name!r}: expected one of {sorted(TASK_SECTIONS)}")
   return _section(TASK_SECTIONS[name], values, "task.")
+
+
+def drop_retired(values: dict) -> dict:
+  """A plain config dict without the ``RETIRED`` keys (a saved run's
+  config.json from before they were replaced; they only said how it ran)."""
+  out = dict(values)
+  for dotted in RETIRED:
+    section, _, name = dotted.rpartition(".")
+    if isinstance(out.get(section), dict) and name in out[section]:
+      out[section] = {k: v for k, v in out[section].items() if k != name}
+  return out
 
 
 def parse(config) -> RunConfig:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ba_jax.config import schema
 
@@ -25,10 +26,10 @@ def check_option(name: str, value, valid) -> None:
     raise ValueError(f"Unknown {name} {value!r}; expected one of {list(valid)}.")
 
 
-def _safe_div(num, den):
+def _safe_div(num, den, xp=jnp):
   """num / den where den > 0, else 0 (an empty subset contributes nothing)."""
   positive = den > 0
-  return jnp.where(positive, num / jnp.where(positive, den, 1.0), 0.0)
+  return xp.where(positive, num / xp.where(positive, den, 1.0), 0.0)
 
 
 def _check_layout(mask_NxT, advantages_N, group_size: int) -> None:
@@ -45,7 +46,7 @@ def _check_layout(mask_NxT, advantages_N, group_size: int) -> None:
 
 
 def _balanced_coefficients(lengths_N, advantages_N, *, group_size: int,
-                           ba_denominator: str, ba_scope: str):
+                           ba_denominator: str, ba_scope: str, xp=jnp):
   """Per-sequence coefficient c[n] so that w[n, t] = m[n, t] * c[n]."""
   n = lengths_N.shape[0]
   if ba_scope == "group":
@@ -56,22 +57,50 @@ def _balanced_coefficients(lengths_N, advantages_N, *, group_size: int,
     groups = 1
     lengths = lengths_N.reshape(1, n)
     adv = advantages_N.reshape(1, n)
-  pos = (adv > 0).astype(jnp.float32)
-  neg = (adv < 0).astype(jnp.float32)
+  pos = (adv > 0).astype(xp.float32)
+  neg = (adv < 0).astype(xp.float32)
   count_pos = pos.sum(-1, keepdims=True)
   count_neg = neg.sum(-1, keepdims=True)
   tokens_pos = (pos * lengths).sum(-1, keepdims=True)
   tokens_neg = (neg * lengths).sum(-1, keepdims=True)
   if ba_denominator == "group":
-    denom = jnp.full_like(count_pos, lengths.shape[1])
+    denom = xp.full_like(count_pos, lengths.shape[1])
   else:  # "signed": only sequences with a non-zero advantage count
     denom = count_pos + count_neg
   # |S| / denom is the subset's share; dividing by T_S takes its token mean and
   # by the number of groups takes the mean over groups.
-  coef_pos = _safe_div(count_pos, denom * tokens_pos) / groups
-  coef_neg = _safe_div(count_neg, denom * tokens_neg) / groups
+  coef_pos = _safe_div(count_pos, denom * tokens_pos, xp) / groups
+  coef_neg = _safe_div(count_neg, denom * tokens_neg, xp) / groups
   coef = pos * coef_pos + neg * coef_neg
   return coef.reshape(n)
+
+
+def sequence_coefficients(lengths_N, advantages_N, *, mode: str,
+                          group_size: int, max_response_len: int | None = None,
+                          ba_denominator: str = "group",
+                          ba_scope: str = "group", xp=jnp):
+  """Each rule's weight per token of sequence ``n``, ``c[n]``, from float32
+  lengths [N] and advantages [N]: every rule is ``w[n, t] = m[n, t] c[n]``,
+  so a sequence's total weight is ``lengths[n] c[n]``. ``xp``: jax.numpy
+  (inside the step), or numpy (the trainer's samples table, on the host).
+  Arguments as ``token_weights``."""
+  check_option("aggregation mode", mode, MODES)
+  check_option("ba_denominator", ba_denominator, BA_DENOMINATORS)
+  check_option("ba_scope", ba_scope, BA_SCOPES)
+  n = lengths_N.shape[0]
+  if mode == "token":
+    return xp.full_like(lengths_N, _safe_div(1.0, lengths_N.sum(), xp))
+  if mode == "sequence":
+    return _safe_div(1.0, lengths_N, xp) / n
+  if mode == "dr_grpo":
+    if max_response_len is None or max_response_len <= 0:
+      raise ValueError(
+          "mode 'dr_grpo' needs max_response_len, a positive int (the config's "
+          f"maximum response length); got {max_response_len!r}.")
+    return xp.full_like(lengths_N, 1.0 / (n * float(max_response_len)))
+  return _balanced_coefficients(
+      lengths_N, advantages_N, group_size=group_size,
+      ba_denominator=ba_denominator, ba_scope=ba_scope, xp=xp)
 
 
 def token_weights(mask, advantages, *, mode: str, group_size: int,
@@ -99,30 +128,29 @@ def token_weights(mask, advantages, *, mode: str, group_size: int,
   advantages were normalised with, so truncation does not tilt W+ : W-.
   """
   check_option("aggregation mode", mode, MODES)
-  check_option("ba_denominator", ba_denominator, BA_DENOMINATORS)
-  check_option("ba_scope", ba_scope, BA_SCOPES)
   mask_NxT = jnp.asarray(mask).astype(jnp.float32)
   advantages_N = jnp.asarray(advantages).astype(jnp.float32)
   _check_layout(mask_NxT, advantages_N, group_size)
-  n = mask_NxT.shape[0]
-  lengths_N = mask_NxT.sum(-1)
+  coef_N = sequence_coefficients(
+      mask_NxT.sum(-1), advantages_N, mode=mode, group_size=group_size,
+      max_response_len=max_response_len, ba_denominator=ba_denominator,
+      ba_scope=ba_scope)
+  return jax.lax.stop_gradient(mask_NxT * coef_N[:, None])
 
-  if mode == "token":
-    weights = mask_NxT * _safe_div(1.0, mask_NxT.sum())
-  elif mode == "sequence":
-    weights = mask_NxT * (_safe_div(1.0, lengths_N) / n)[:, None]
-  elif mode == "dr_grpo":
-    if max_response_len is None or max_response_len <= 0:
-      raise ValueError(
-          "mode 'dr_grpo' needs max_response_len, a positive int (the config's "
-          f"maximum response length); got {max_response_len!r}.")
-    weights = mask_NxT / (n * float(max_response_len))
-  else:
-    coef_N = _balanced_coefficients(
-        lengths_N, advantages_N, group_size=group_size,
-        ba_denominator=ba_denominator, ba_scope=ba_scope)
-    weights = mask_NxT * coef_N[:, None]
-  return jax.lax.stop_gradient(weights)
+
+def sequence_weights(lengths_N, advantages_N, *, num_minibatches: int = 1,
+                     **options):
+  """Each sequence's total weight (the sum of its ``token_weights``) in the
+  PPO mini-batch that holds it, on the host (numpy): float64 [N] from the
+  lengths the loss sees and the advantages of a whole batch, split into
+  ``num_minibatches`` contiguous mini-batches as the train step splits it;
+  each mini-batch's weights sum to at most 1. ``options``: as
+  ``token_weights``."""
+  lengths = np.asarray(lengths_N, np.float32).reshape(num_minibatches, -1)
+  adv = np.asarray(advantages_N, np.float32).reshape(num_minibatches, -1)
+  return np.concatenate([
+      (l * sequence_coefficients(l, a, xp=np, **options)).astype(np.float64)
+      for l, a in zip(lengths, adv)])
 
 
 def aggregate(values, mask, advantages, *, mode: str, group_size: int,

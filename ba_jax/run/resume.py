@@ -6,8 +6,8 @@ optimizer, warm-up, ``init_from``) is refused with the differing keys, unless
 the caller allows it, which is then recorded in ``config_changes.jsonl``.
 Keys that only say how to run (logging, checkpoint cadence, evaluation
 cadence, the mesh, ``stop_after_steps``) may change freely. On resume from
-step S, the metric rows of the steps after S (written before the run
-stopped, replayed now) are dropped so that each step is logged once.
+step S, the metric and samples rows of the steps after S (written before the
+run stopped, replayed now) are dropped so that each step is logged once.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _typed(config: dict) -> dict:
   """The config with every schema default filled in (a key one side leaves
   at its default is no change), or as it is when it does not parse."""
   try:
-    return dataclasses.asdict(schema.parse(config))
+    return dataclasses.asdict(schema.parse(schema.drop_retired(config)))
   except ValueError:
     return config
 
@@ -104,13 +104,28 @@ def check_config(workdir, config, *, allow_changes: bool = False,
   return diffs
 
 
+def last_logged_step(workdir) -> int | None:
+  """The last step in ``workdir/metrics.jsonl`` (None: no step logged):
+  what the run logged before it stopped, read before ``drop_replayed_rows``."""
+  path = paths.path(workdir) / "metrics.jsonl"
+  if not path.exists():
+    return None
+  steps = [json.loads(l).get("step") for l in path.read_text().split("\n")
+           if l.strip()]
+  steps = [s for s in steps if isinstance(s, int)]
+  return max(steps) if steps else None
+
+
 def drop_replayed_rows(workdir, step: int) -> int:
-  """Keeps the metric rows up to the checkpoint ``step`` (metrics.jsonl:
-  steps <= step; eval.jsonl: evaluations <= step, none at step 0, which the
-  resumed loop writes again). Returns the number of rows dropped."""
+  """Keeps the rows up to the checkpoint ``step`` (metrics.jsonl and
+  samples.jsonl: steps <= step; eval.jsonl: evaluations <= step, none at
+  step 0, which the resumed loop writes again). Returns the number of rows
+  dropped."""
   root = paths.path(workdir)
-  dropped = paths.JsonlFile(root / "metrics.jsonl").keep(
-      lambda r: r.get("step", 0) <= step)
+  dropped = 0
+  for name in ("metrics.jsonl", "samples.jsonl"):
+    dropped += paths.JsonlFile(root / name).keep(
+        lambda r: r.get("step", 0) <= step)
   dropped += paths.JsonlFile(root / "eval.jsonl").keep(
       lambda r: step > 0 and r.get("step", 0) <= step)
   return dropped

@@ -138,6 +138,10 @@ class Rollout:
   advantages: np.ndarray  # [N]
   prompts_used: int  # global prompts consumed (data position advance)
   stats: dict
+  # The terms that add up to ``rewards``, float32 [N] each: the task's
+  # (``grade_components``; else one, "task") and "overlong_penalty" with
+  # rl.overlong="soft".
+  reward_parts: dict = dataclasses.field(default_factory=dict)
 
 
 def soft_overlong_penalty(lengths_N, truncated_N, *, max_len: int,
@@ -149,13 +153,25 @@ def soft_overlong_penalty(lengths_N, truncated_N, *, max_len: int,
   return np.where(truncated_N, -penalty, ramp).astype(np.float32)
 
 
-def _final_rewards(rewards_N, out, rl: RolloutConfig) -> np.ndarray:
-  """The rewards the advantages see: graded, plus any soft overlong penalty."""
+def _grade(task, texts, problems) -> tuple[dict[str, np.ndarray], np.ndarray]:
+  """(the reward's terms, correct) of responses: a task's
+  ``grade_components`` when it has that optional method, else its ``grade``
+  as one term, "task"."""
+  if hasattr(task, "grade_components"):
+    parts, correct = task.grade_components(texts, problems)
+    return {k: np.asarray(v, np.float32) for k, v in parts.items()}, correct
+  rewards, correct = task.grade(texts, problems)
+  return {"task": np.asarray(rewards, np.float32)}, correct
+
+
+def _final_parts(parts: dict, out, rl: RolloutConfig) -> dict:
+  """The terms of the rewards the advantages see: graded, plus any soft
+  overlong penalty."""
   if rl.overlong != "soft":
-    return rewards_N
-  return rewards_N + soft_overlong_penalty(
+    return parts
+  return dict(parts, overlong_penalty=soft_overlong_penalty(
       out.mask.sum(-1), out.truncated, max_len=rl.max_new_tokens,
-      buffer=rl.overlong_buffer, penalty=rl.overlong_penalty)
+      buffer=rl.overlong_buffer, penalty=rl.overlong_penalty))
 
 
 def prompts_per_round(rl: RolloutConfig) -> int:
@@ -204,10 +220,11 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
     out = jax.tree.map(np.asarray, out)
     t1 = time.perf_counter()
     texts = task.decode(out.tokens, out.mask)
-    rewards, correct = task.grade(texts, [p for p in problems for _ in range(G)])
+    parts, correct = _grade(task, texts, [p for p in problems for _ in range(G)])
     if counts_format:
       format_fails += len(texts) - int(task.answer_found(texts).sum())
-    final = _final_rewards(rewards, out, rl)
+    parts = _final_parts(parts, out, rl)
+    final = np.sum(list(parts.values()), axis=0).astype(np.float32)
     t_reward += time.perf_counter() - t1
     t_sample += t1 - t0
     rounds += 1
@@ -216,7 +233,7 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
       rows = slice(g * G, (g + 1) * G)
       group = (ids[g], mask[g], out.tokens[rows], out.mask[rows],
                out.logprobs[rows], final[rows], correct[rows],
-               out.truncated[rows])
+               out.truncated[rows], {k: v[rows] for k, v in parts.items()})
       mixed = final[rows].max() > final[rows].min()
       (kept if mixed or not rl.dynamic_sampling else spare).append(group)
     need = len(kept) < n_local
@@ -230,6 +247,8 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
   prompt_mask = np.repeat(np.stack([g[1] for g in groups]), G, axis=0)
   tokens, sample_mask, logp = cat(2), cat(3), cat(4)
   rewards, correct, truncated = cat(5), cat(6), cat(7)
+  reward_parts = {k: np.concatenate([g[8][k] for g in groups])
+                  for k in groups[0][8]}
   lengths = sample_mask.sum(-1)
   loss_mask = sample_mask
   if rl.overlong == "mask":
@@ -251,7 +270,7 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
     stats["format_fail_frac"] = format_fails / (sampled_groups * G)
   return Rollout(prompt_ids, prompt_mask, tokens, loss_mask, sample_mask,
                  logp, rewards, correct, truncated, adv.astype(np.float32),
-                 rounds * per_round, stats)
+                 rounds * per_round, stats, reward_parts)
 
 
 def heldout_correct(model, task, *, samples: int, temperature: float,

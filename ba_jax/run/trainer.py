@@ -23,10 +23,12 @@ import numpy as np
 from flax import nnx
 
 from ba_jax.run import checkpointing
+from ba_jax.run import checks
 from ba_jax.run import metrics as metrics_lib
 from ba_jax.run import paths
 from ba_jax.run import resume
 from ba_jax.run import rollout
+from ba_jax.run import tracking
 from ba_jax.update import sft
 from ba_jax.update import train_step as ts
 from ba_jax.run.model_setup import ARCHITECTURE_FIELDS
@@ -99,6 +101,7 @@ class _Run:
   base_key: jax.Array
   log: Callable[[str], None]
   nonfinite_streak: int = 0  # non-finite updates in a row, as logged
+  logged_until: int | None = None  # resumed: the last step logged before it stopped
 
   def note(self, record: dict | None) -> None:
     """Counts a logged step's record towards the non-finite streak."""
@@ -132,6 +135,8 @@ def run(config, workdir: str, *, explicit: Collection[str] = (),
   ``ba_jax.run.resume``). A resumed run restores the newest intact checkpoint.
   """
   setup = make_setup(config, explicit=explicit)
+  with checks.config_checks():
+    tracking.check_backends(setup.cfg.log)
   _ = setup.task  # built (a dataset task reads its files) and checked now
   main = jax.process_index() == 0
   log = (lambda msg: print(msg, flush=True)) if main else (lambda msg: None)
@@ -152,6 +157,7 @@ def run(config, workdir: str, *, explicit: Collection[str] = (),
       latest, state, meta = ckpt.restore_intact(
           abstract_state(setup), warn=log, set_aside=main)
       if main:
+        r.logged_until = resume.last_logged_step(workdir)
         resume.drop_replayed_rows(workdir, latest)
       log(f"resumed from {ckpt.directory} at step {latest}")
       r.base_key = jax.random.wrap_key_data(
@@ -227,9 +233,9 @@ def _loop(r: _Run, state, meta) -> dict:
   start = int(jax.device_get(state.step))
   position = int(meta["data_position"])
   logger = metrics_lib.MetricsLogger(
-      r.workdir, total_steps=rl.steps, first_step=start,
-      tensorboard=c.log.tensorboard, progress_bar=c.log.progress_bar,
-      enabled=jax.process_index() == 0)
+      r.workdir, total_steps=rl.steps, first_step=start, log=c.log,
+      config=setup.config.to_dict(), enabled=jax.process_index() == 0,
+      skip_until=r.logged_until)
   if start == 0:
     logger.write_eval(0, meta["before_rl"])
   meta = {k: v for k, v in meta.items() if k != "fresh"}
@@ -258,8 +264,14 @@ def _loop(r: _Run, state, meta) -> dict:
     jax.block_until_ready(state.step)
     step += 1
     t2 = time.perf_counter()
+    samples = None
+    if c.log.samples_every and step % c.log.samples_every == 0:
+      samples = metrics_lib.sample_rows(ro, setup.task, step=step,
+                                        groups=c.log.samples_groups,
+                                        step_cfg=setup.step_cfg)
     r.note(logger.push(step, device_metrics, _host_metrics(
-        ro, rl.group_size, t0=t0, t1=t1, t2=t2, position=position)))
+        ro, rl.group_size, t0=t0, t1=t1, t2=t2, position=position),
+        samples=samples))
     reason = r.stop_reason(step)
     if reason is StopReason.NONFINITE:
       break
@@ -305,6 +317,7 @@ def _host_metrics(ro: rollout.Rollout, group_size: int, *, t0: float,
   host = metrics_lib.rollout_stats(
       gather(ro.rewards), gather(ro.correct), gather(ro.advantages),
       gather(ro.sample_mask), gather(ro.truncated), group_size)
+  host.update(metrics_lib.reward_terms(ro.reward_parts))
   host.update(ro.stats, time_training=t2 - t1, time_step=t2 - t0,
               data_position=position)
   host["sampled_tokens"] = float(gather(ro.sample_mask).sum())

@@ -39,7 +39,8 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   if not path.exists():
     raise FileNotFoundError(f"{path} not found: {workdir} is not a ba_jax "
                             "training workdir")
-  return ml_collections.ConfigDict(json.loads(path.read_text()))
+  return ml_collections.ConfigDict(schema.drop_retired(
+      json.loads(path.read_text())))
 
 
 def restore_policy(workdir: str, step: int | None = None, *, mesh_shape=None,

@@ -65,4 +65,6 @@ def analytic_flops(c: model_lib.ModelConfig, matmul_params: int, *,
       "sample_xla_counts": float(prefill + decode_step),
       "sample_2ND": float(2 * matmul_params
                           * (prompts * bucket + rows * response_len)),
+      "prefill": float(prefill),
+      "decode_step": float(decode_step),
   }

@@ -1,5 +1,6 @@
 """The dry run's report as text: per program and device, memory against each
-TPU slice's HBM, FLOPs against the analytic estimate."""
+TPU slice's HBM, FLOPs against the analytic estimate; and the accelerator
+check's lines (``ba_jax.scaling.accelerator``)."""
 from __future__ import annotations
 
 from ba_jax.scaling.compile import ESTIMATE_NOTE, MEMORY_FIELDS, TPU_HBM_GIB
@@ -128,3 +129,60 @@ def _engine_lines(report: dict) -> list[str]:
                  "slots per device whatever the process count")
   return lines
 
+
+# --- the accelerator check's lines (ba_jax.scaling.accelerator) -------------
+
+def _gib(n) -> str:
+  return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _pct(x) -> str:
+  return "n/a (no published peak for this chip)" if x is None else f"{100 * x:.1f}%"
+
+
+def device_line(r: dict) -> str:
+  peak = ("no published bf16 peak in ba_jax.scaling.accelerator.CHIPS"
+          if r["peak_bf16_flops"] is None
+          else f"peak {r['peak_bf16_flops'] / 1e12:g} TFLOP/s bf16 each")
+  return (f"devices: {r['devices']} x {r['device_kind']} ({r['backend']}; "
+          f"{r['chip']}, {peak}); jax {r['jax']}")
+
+
+def tests_line(t: dict) -> str:
+  if "passed" not in t:
+    return f"tests: {t['status']}"
+  line = (f"tests: {t['status']}: {t['passed']} passed, {t['failed']} failed, "
+          f"{t['errors']} errors, {t['skipped']} skipped, {t['deselected']} "
+          f"deselected (multi-device) in {t['seconds']:g} s")
+  return line + ("; failing: " + ", ".join(t["failures"]) if t["failures"] else "")
+
+
+def train_line(t: dict, m: dict, peak) -> str:
+  return (f"train step: {m['name']} ({m['params'] / 1e6:.3g}M params, "
+          f"{m['dtype']}), {t['rows']} rows x {t['tokens_per_row']} tokens in "
+          f"{t['microbatches']} micro-batches: {t['step_s'] * 1e3:.1f} ms, "
+          f"{t['tokens_per_s']:,.0f} tokens/s, MFU {_pct(t['mfu'])} "
+          f"(first call {t['first_call_s']:g} s)")
+
+
+def decode_line(d: dict, peak) -> str:
+  return (f"decode step: {d['rows']} rows, prompt {d['prompt_len']} + "
+          f"{d['response_len']} tokens: {d['decode_step_s'] * 1e3:.2f} ms, "
+          f"{d['tokens_per_s']:,.0f} tokens/s, MFU {_pct(d['mfu'])} "
+          f"(prefill {d['prefill_s'] * 1e3:.1f} ms)")
+
+
+def memory_line(m: dict) -> str:
+  parts = [f"{p} {_gib(v['peak_bytes'])}" for p, v in m["compiled"].items()]
+  line = "memory: dry run peak per device " + ", ".join(parts)
+  if "cpu_estimate" in m:
+    line += " (XLA:CPU estimate " + ", ".join(
+        f"{p} {_gib(v['peak_bytes'])}" for p, v in m["cpu_estimate"].items()) + ")"
+  measured = m["measured_peak_bytes"]
+  if any(v is not None for v in measured.values()):
+    line += "; measured peak " + ", ".join(
+        f"after {k} {_gib(v)}" for k, v in measured.items())
+  if m["device_bytes"] is None:
+    return line + "; the device reports no memory limit"
+  return (line + f"; device {_gib(m['device_bytes'])}: "
+          + ("fits" if m["fits"] else "does NOT fit"))

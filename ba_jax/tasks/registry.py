@@ -34,7 +34,11 @@ class Task(Protocol):
   ``reasoning_gym_task.ReasoningGymTask`` are the bundled ones). A task may
   also have ``answer_found(texts) -> bool [n]``, whether its answer rule
   found an answer in each response; the trainer then logs the share of
-  format failures (``format_fail_frac``)."""
+  format failures (``format_fail_frac``). A task whose reward is a sum of
+  terms may have ``grade_components(texts, problems) -> ({term: float32
+  [n]}, correct bool [n])``, which rollouts then call instead of ``grade``
+  (the reward is the terms' sum); the trainer logs each term's mean
+  (``reward/<term>``) and puts the terms in its samples tables."""
 
   name: str  # the task.name configs use (the registry key)
   has_warmup: ClassVar[bool]  # whether warmup_examples has data
