@@ -23,6 +23,7 @@ def test_constrain_names_a_wrong_rank():
     sh.constrain(np.ones((4, 3), np.float32), ("activation_batch", "length", "activation_embed"))
 
 
+@pytest.mark.slow
 def test_constraints_cut_step_temporaries_and_keep_the_update():
   mesh = sh.make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
   model = sh.create_sharded(lambda: model_lib.Decoder(tu.tiny_model_config(), rngs=nnx.Rngs(0)), mesh, RULES)

@@ -73,6 +73,7 @@ def batches(draw):
           group_size, t_len)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,options", [
     ("token", {}), ("sequence", {}), ("dr_grpo", {}),
     ("balanced", {}), ("balanced", {"ba_denominator": "signed"}),

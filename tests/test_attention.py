@@ -31,6 +31,7 @@ def _models(path, remat=False):
   return full, blockwise
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 def test_logits_equal_full_attention(checkpoints, kind):
   ids, mask = left_padded_batch(seed=1, batch=3, length=LENGTH)
@@ -51,6 +52,7 @@ def _logp_sum(model, ids, mask):
   return jnp.sum(token_logp * mask[:, 1:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,remat", [("qwen2", False), ("qwen3", True), ("llama", False)])
 def test_gradients_equal_full_attention(checkpoints, kind, remat):
   from flax import nnx
@@ -77,6 +79,7 @@ def test_config_choices_are_checked_and_stay_out_of_config_json():
   assert ModelConfig.from_hf_dict(hf_dict) == blockwise  # the choice is not part of the model
 
 
+@pytest.mark.slow
 def test_backward_pass_holds_no_score_matrix():
   """XLA's buffers for a gradient stay below one float32 [B,H,L,L] score matrix (full needs several)."""
   from flax import nnx

@@ -41,6 +41,7 @@ def test_auto_picks_the_backends_kernel():
   assert attention.resolve_impl("xla", head_dim=128, dtype=jnp.float32, backend="tpu") == "xla"
 
 
+@pytest.mark.slow
 def test_xla_dot_product_attention_equals_blockwise():
   q, k, v, mask = _qkv(16)
   ref = attention.blockwise_attention(q, k, v, mask, 64)
@@ -51,6 +52,7 @@ def test_xla_dot_product_attention_equals_blockwise():
   np.testing.assert_allclose(np.asarray(grad("xla")), np.asarray(grad("blockwise")), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_splash_kernel_in_interpret_mode_equals_blockwise():
   """The Pallas TPU kernel itself, run by the Pallas interpreter on CPU (head_dim 128, as on TPU)."""
   q, k, v, mask = _qkv(128)
@@ -71,6 +73,7 @@ def test_splash_rejects_a_length_off_its_block():
     attention.splash_attention(q[:, :200], k[:, :200], v[:, :200], mask[:, :200], 128, interpret=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "auto"])
 def test_model_logits_equal_full_attention(impl):
   config = ModelConfig("qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

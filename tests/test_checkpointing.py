@@ -126,6 +126,7 @@ def test_sigterm_saves_and_the_run_resumes(tmp_path):
                          tu.host_params(straight["state"])) == 0.0
 
 
+@pytest.mark.slow
 def test_restore_onto_another_mesh_and_export(tmp_path):
   """Saved from a data=8 mesh; restored onto data 2 x fsdp 2 x tensor 2 and
   onto one device, equal; exported, transformers gives the same logits."""

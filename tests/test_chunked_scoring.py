@@ -51,6 +51,7 @@ def test_chunked_equals_unchunked(chunk):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_loss_gradients_equal_for_every_mode():
   model, batch = _model(), _batch()
   rng = np.random.default_rng(1)
@@ -75,6 +76,7 @@ def test_loss_gradients_equal_for_every_mode():
                  nnx.to_pure_dict(g_c), nnx.to_pure_dict(g_f))
 
 
+@pytest.mark.slow
 def test_chunked_scorer_needs_under_half_the_memory():
   vocab, chunk = 4096, 128
   # Blockwise attention, so no [L, L] scores hide what the LM head costs.

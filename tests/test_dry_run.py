@@ -46,6 +46,7 @@ def _batch_bytes_per_device(report) -> int:
   return 4 * rows * (2 * s["prompt_len"] + 3 * s["response_len"] + 1)
 
 
+@pytest.mark.slow
 def test_tiny_memory_is_the_state_plus_the_batch(tiny_report):
   r = tiny_report
   assert r["devices"] == 8 and r["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
@@ -92,6 +93,7 @@ def test_one_update_matches_the_whole_step(tiny_report):
   assert one["train_step"]["memory"]["argument"] == full["memory"]["argument"]
 
 
+@pytest.mark.slow
 def test_recompute_and_kl_compile_the_scoring_program():
   config = load("configs/tiny.py")
   config.rl.old_logp, config.loss.kl_coef = "recompute", 0.1
@@ -105,6 +107,7 @@ def test_recompute_and_kl_compile_the_scoring_program():
   assert 0.5 < score["flops_per_device"] / forward < 2.0
 
 
+@pytest.mark.slow
 def test_mesh_override_shards_the_state():
   config = load("configs/tiny.py")
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
@@ -196,6 +199,7 @@ def test_report_says_per_tpu_slice_whether_the_peak_fits(tiny_report):
   assert "v5p-8: train_step fits" in text and "sample fits (20 of 95" in text
 
 
+@pytest.mark.slow
 def test_dry_run_compiles_the_step_with_activation_constraints():
   """The dry run compiles the trainer's step as the trainer jits it: with
   the mesh's activation constraints, whose sharded residual stream leaves
@@ -325,6 +329,7 @@ def test_kv_cache_budget_sets_the_slots():
     setup_lib.make_setup(_slot_config(kv_cache_gib=-1.0), abstract=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dry_run_reports_the_engine_and_the_slots_that_fit(monkeypatch, dtype):
   """A config with decode slots compiles the engine; its KV cache is what

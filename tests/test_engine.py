@@ -72,6 +72,7 @@ def _assert_same(got, want, tol=LOGP_TOL):
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=tol, rtol=0)
 
 
+@pytest.mark.slow
 def test_per_row_cache_index_matches_full_forward(ours):
   """Rows written at different cache offsets decode as if each were alone."""
   ids, mask = left_padded_batch(seed=3, batch=3, length=7)
@@ -89,6 +90,7 @@ def test_per_row_cache_index_matches_full_forward(ours):
   np.testing.assert_array_equal(np.asarray(cache.mask)[1, 5:12], mask[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_slots", [1, 3])
 def test_greedy_equals_static_and_transformers(checkpoint, ours, prompts, stop_ids, max_slots):
   ids, mask = prompts
@@ -106,6 +108,7 @@ def test_greedy_equals_static_and_transformers(checkpoint, ours, prompts, stop_i
   np.testing.assert_array_equal(got.tokens[:, :out.shape[1]], out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
 def test_sampled_rows_equal_static_and_logprobs_equal_scoring(ours, prompts, stop_ids,
                                                                temperature, top_k, top_p):
@@ -125,6 +128,7 @@ def test_sampled_rows_equal_static_and_logprobs_equal_scoring(ours, prompts, sto
   assert not np.array_equal(other.tokens, got.tokens)
 
 
+@pytest.mark.slow
 def test_refilled_row_is_what_it_would_be_alone(ours, prompts, stop_ids):
   """A row's response depends on its prompt, its row index and the key only: not on which
   slot it got, when a finished row freed it, nor on the other prompts (other lengths)."""
@@ -144,6 +148,7 @@ def test_refilled_row_is_what_it_would_be_alone(ours, prompts, stop_ids):
   assert not np.array_equal(mixed.tokens[:G], base.tokens[:G])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_slots", [0, 3])
 def test_growing_cache_gives_the_same_samples(ours, prompts, stop_ids, max_slots, monkeypatch):
   """A decode loop that starts on a short cache and grows it (cache_phases) samples what the
@@ -169,6 +174,7 @@ def test_growing_cache_gives_the_same_samples(ours, prompts, stop_ids, max_slots
       _sample(ours, ids, mask, cache_phases=bad)
 
 
+@pytest.mark.slow
 def test_refills_on_a_cache_prefix_keep_their_positions(ours, prompts, stop_ids):
   """A slot refilled while the engine decodes on a short cache prefix keeps its last row's mask
   past that prefix; once the new row reaches those positions, its RoPE offsets must still count
@@ -200,6 +206,7 @@ def test_cache_phase_lengths_and_the_cpu_default(ours):
     kv_cache.grow(grown, 5)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_group_major_order(ours, stop_ids):
   ids, mask = left_padded_batch(seed=4, batch=3, length=21)
   kw = dict(group_size=3, eos_id=(EOS_ID,) + stop_ids)
@@ -236,6 +243,7 @@ def test_one_program_per_shape_and_bounded_cache(ours, monkeypatch):
   assert shapes == [((3, c.num_kv_heads, c.head_dim, 15 + T), c.num_layers)] * 2  # keys [M,K,D,S]
 
 
+@pytest.mark.slow
 def test_sharded_on_8_devices_equals_one_device(checkpoint, ours, prompts, stop_ids):
   mesh = sharding_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   sharded, _ = hf.load_pretrained(checkpoint, mesh=mesh)
@@ -268,6 +276,7 @@ def test_bad_max_slots_is_named(ours, prompts):
   assert kv_cache.slots_for_budget(ours.config, 5 * per_slot + 1, 64) == 5
 
 
+@pytest.mark.slow
 def test_row_budgets_truncate_each_row(ours, prompts, stop_ids):
   """Per-row budgets (data, not shapes): the same rows in both programs, cut at their budget."""
   ids, mask = prompts
@@ -284,6 +293,7 @@ def test_row_budgets_truncate_each_row(ours, prompts, stop_ids):
     _sample(ours, ids, mask, row_budgets=np.zeros(8, np.int32))
 
 
+@pytest.mark.slow
 def test_no_stop_token_runs_every_row_to_its_budget(ours, prompts, stop_ids):
   """`eos_id=sampler.NO_STOP`: the tokens that stopped rows before are drawn and kept."""
   ids, mask = prompts

@@ -120,6 +120,7 @@ def test_cli_end_to_end_on_a_tiny_random_model(tmp_path):
   assert "| amc23 | 3 |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_evaluation_through_the_engine_gives_the_same_samples(tmp_path, monkeypatch):
   """`max_slots` (the CLI's --max_slots) sends the evaluator's sampling through the
   continuous-batching engine: its slots, not batch_size x k rows, and the same responses."""

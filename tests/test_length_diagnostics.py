@@ -69,6 +69,7 @@ def test_explicit_case():
   assert float(agg.weight_length_correlation(tok, mask, adv)) == 0.0
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 3), st.sampled_from([2, 4]), st.data())
 def test_diagnostics_match_the_numpy_reference(groups, group_size, data):

@@ -41,6 +41,7 @@ def _eps(dtype: str) -> float:
   return float(jnp.finfo(dtype).eps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_einsum_f32_runs_the_cached_prefill_product_on_cpu(dtype):
   """The product XLA:CPU could not run (its fallback dot has no BF16 x BF16 = F32): the cached
@@ -97,6 +98,7 @@ def _greedy(model, ids, mask, max_slots):
       pad_id=PAD_ID, rng=jax.random.key(0), max_slots=max_slots))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_samples_score_and_match_float32_greedy(checkpoint, float32_logits, prompts, dtype):
   """Greedy samples in `dtype` from the static sampler and the engine run, are finite, match their

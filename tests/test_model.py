@@ -35,6 +35,7 @@ def test_logits_match_transformers_on_left_padded_batch(checkpoints, kind):
   np.testing.assert_allclose(ours[valid], ref[valid], atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 def test_gradients_match_transformers(checkpoints, kind):
   """d(sum of log-probs of the next tokens)/d(weights) equals torch's autograd."""
@@ -64,6 +65,7 @@ def test_gradients_match_transformers(checkpoints, kind):
                                err_msg=spec.hf_name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_kv_cache_prefill_then_decode_matches_full_forward(checkpoints, kind):
   ids, mask = left_padded_batch(seed=3, batch=3, length=10)
@@ -85,6 +87,7 @@ def test_kv_cache_prefill_then_decode_matches_full_forward(checkpoints, kind):
   assert not np.asarray(cache.mask[:, ids.shape[1]:]).any()
 
 
+@pytest.mark.slow
 def test_kv_cache_chunked_prefill_matches_one_prefill(checkpoints):
   ids, mask = left_padded_batch(seed=4, batch=2, length=9)
   model, config = hf.load_pretrained(checkpoints["qwen3"])
@@ -110,6 +113,7 @@ def test_cache_overflow_is_an_error(checkpoints):
     model(np.ones((1, 5), np.int32), cache=init_cache(config, 1, 4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [True, "dots_with_no_batch_dims_saveable"])
 def test_remat_gives_same_logits_and_gradients(checkpoints, remat):
   ids, mask = left_padded_batch(seed=6, batch=2, length=8)
@@ -126,6 +130,7 @@ def test_remat_gives_same_logits_and_gradients(checkpoints, remat):
                nnx.to_pure_dict(g_remat))
 
 
+@pytest.mark.slow
 def test_remat_policy_sets_what_the_scanned_backward_keeps():
   """Under the layer scan the saved residuals are explicit, so XLA's temporaries follow the policy."""
   base = ModelConfig("qwen3", vocab_size=64, hidden_size=64, intermediate_size=256, num_layers=4, num_heads=4,
@@ -156,6 +161,7 @@ def test_bfloat16_params_and_compute(checkpoints):
   assert err < 0.1 * np.abs(ref_logits).max(), err
 
 
+@pytest.mark.slow
 def test_random_init_and_every_param_has_logical_axes():
   config = ModelConfig("qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16, qk_norm=True)
@@ -198,6 +204,7 @@ def test_config_errors_name_the_bad_value():
     ModelConfig("llama", 8, 8, 8, 1, 2, 1, 4, dtype="float31")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unroll", [0, 2, 3, "loop"])
 def test_scan_unroll_changes_neither_logits_nor_gradients(unroll):
   """model.scan_unroll only changes how the layer scan is compiled (3 does

@@ -260,6 +260,7 @@ def test_an_explicit_architecture_override_must_match_the_checkpoint(
   assert setup.config.model.num_layers == 2  # the model section as built
 
 
+@pytest.mark.slow
 def test_command_line_names_a_conflicting_override(llama_checkpoint,
                                                    tmp_path):
   import subprocess

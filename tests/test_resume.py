@@ -215,6 +215,7 @@ def test_a_config_saved_before_the_rollout_cache_keys_resumes():
       "rl.max_slots": (0, 4)}
 
 
+@pytest.mark.slow
 def test_runtime_keys_may_change_and_allowed_changes_are_recorded(resumable):
   free = {"rl.steps": 0, "log.backends": "tensorboard", "checkpoint.every": 7,
           "eval.every": 5, "mesh.data": 4, "mesh.fsdp": 2,

@@ -70,6 +70,7 @@ def _check_stop_invariants(res, eos_ids, max_new_tokens):
     assert np.all(res.logprobs[n, :length] < 0.0)
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_generate_mixed_lengths(ours, theirs):
   ids, mask = _prompts()  # rows have 0, 2, 4, 6 pad tokens on the left
   T = 12
@@ -123,6 +124,7 @@ def small_vocab_model(tmp_path_factory):
   return hf.load_pretrained(path)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_k,top_p", [
     (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.7), (1.0, 6, 0.8)])
 def test_first_token_frequencies_match_softmax(small_vocab_model, temperature, top_k, top_p):
@@ -153,6 +155,7 @@ def test_first_token_frequencies_match_softmax(small_vocab_model, temperature, t
   assert _chi2_pvalue(counts[keep], target[keep]) > CHI2_ALPHA
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (0.8, 0, 1.0), (1.0, 3, 1.0),
                                                    (1.2, 0, 0.5)])
 def test_logprobs_equal_scoring_and_truncation_holds(ours, temperature, top_k, top_p):
@@ -203,6 +206,7 @@ def test_eos_stops_rows_and_masks_the_rest(ours):
   assert res.lengths[row] == 12 and not res.truncated[row]
 
 
+@pytest.mark.slow
 def test_sharded_on_8_devices_equals_one_device(checkpoint, ours):
   assert len(jax.devices()) == 8
   mesh = sharding_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
@@ -218,6 +222,7 @@ def test_sharded_on_8_devices_equals_one_device(checkpoint, ours):
   np.testing.assert_array_equal(np.asarray(res.lengths), one.lengths)
 
 
+@pytest.mark.slow
 def test_same_bucket_does_not_recompile(ours):
   assert sampler.bucket_length(9) == sampler.bucket_length(16) == 16
   assert sampler.bucket_length(17) == 32

@@ -82,6 +82,7 @@ def test_eager_equals_jit_and_padding_side_does_not_matter(models):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_gradient_matches_finite_difference(models):
   ours, _ = models
   batch = _batch(seed=5)

@@ -59,6 +59,7 @@ def _loss(model, ids, mask):
   return jnp.sum(logp * mask[:, 1:] * mask[:, :-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [{"data": 2, "fsdp": 2, "tensor": 2}, {"data": 1, "fsdp": 8, "tensor": 1}])
 def test_sharded_load_gives_same_logits_and_gradients(checkpoint, mesh_shape):
   mesh = sh.make_mesh(mesh_shape)
@@ -98,6 +99,7 @@ def test_export_from_sharded_model_is_bit_exact(checkpoint, tmp_path):
       assert a.get_tensor(k).tobytes() == b.get_tensor(k).tobytes(), k
 
 
+@pytest.mark.slow
 def test_create_sharded_and_shard_model():
   config = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=8)

@@ -34,6 +34,7 @@ def _setup(mesh, *, cfg, lr=1e-3, eps=1e-8):
   return state, step, place
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_single_device_step():
   cfg = ts.StepConfig(group_size=4, aggregation="balanced", eps_high=0.28,
                       num_minibatches=2, num_microbatches=1)
@@ -64,6 +65,7 @@ def test_sharded_step_equals_single_device_step():
     np.testing.assert_allclose(m8[name], m1[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_step_compiles_once_across_batches():
   mesh = sharding_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
   model_cfg = tu.tiny_model_config()
@@ -83,6 +85,7 @@ def test_step_compiles_once_across_batches():
   chex.clear_trace_counter()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["token"])  # every mode: test_microbatch.py
 def test_micro_batches_give_the_same_update(mode):
   mesh = sharding_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1},
@@ -100,6 +103,7 @@ def test_micro_batches_give_the_same_update(mode):
   assert tu.max_abs_diff(*params) < 1e-6
 
 
+@pytest.mark.slow
 def test_non_finite_update_is_skipped_and_counted():
   mesh = sharding_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1},
                                 devices=jax.devices()[:1])
@@ -131,6 +135,7 @@ def test_bad_options_fail_with_clear_messages():
                       schedule="cosin")
 
 
+@pytest.mark.slow
 def test_epochs_and_mini_batches_trace_one_update(monkeypatch):
   """PPO epochs x mini-batches are scans: the update body is traced once, not 2 x 2 times."""
   traces = []
