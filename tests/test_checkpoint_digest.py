@@ -1,7 +1,6 @@
 """Checkpoints prove their integrity: damage that orbax reads without an
 error (a flipped byte, an edited value, a NaN) is caught by the digests or
 the non-finite check, and the newest intact step is used instead."""
-import glob
 import os
 import shutil
 
@@ -10,12 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-import tensorstore as ts
 
 from ba_jax.run import checkpointing
 from ba_jax.run import digest
 from ba_jax.run import setup as setup_lib
-from ba_jax.update import train_step as train_step_lib
+import checkpoint_damage as cd
 import trainer_utils as tu
 
 MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
@@ -111,145 +109,6 @@ def _equal(a, b) -> bool:
   return all(np.array_equal(x, y) for x, y in zip(_host(a), _host(b)))
 
 
-def _names(state):
-  return list(digest.digests(state))
-
-
-def _moment(state) -> str:
-  return next(n for n in _names(state) if ".mu." in n and "up_proj" in n)
-
-
-PARAM = "params.layers.mlp.gate_proj.value"
-
-
-def _chunks(step_dir: str) -> list[tuple[str, str, int, int]]:
-  """(array name, data file, offset, length) of every array chunk stored
-  in a data file of a step (from the OCDBT b-tree; the small ones live in
-  the tree's nodes)."""
-  out = []
-  state_dir = os.path.join(step_dir, "state")
-  for manifest in glob.glob(f"{state_dir}/ocdbt.process_*/manifest.ocdbt"):
-    base = ts.KvStore.open(f"file://{os.path.dirname(manifest)}/").result()
-    version = ts.ocdbt.dump(base).result()["versions"][-1]
-    assert version["root_height"] == 0  # one node: a small state
-    node = ts.ocdbt.dump(base, version["root"]["location"]).result()
-    for entry in node["entries"]:
-      if "indirect_value" in entry:
-        # "value:ocdbt.process_0/:d/<file>:<offset>:<length>"
-        _, _, data_file, offset, length = entry["indirect_value"].split(":")
-        out.append((entry["key"].decode().split("/")[0],
-                    os.path.join(os.path.dirname(manifest), data_file),
-                    int(offset), int(length)))
-  return out
-
-
-def _xor(path: str, start: int, count: int, mask: int) -> None:
-  data = bytearray(open(path, "rb").read())
-  for i in range(start, start + count):
-    data[i] ^= mask
-  open(path, "wb").write(bytes(data))
-
-
-def _flip_in_largest_file(step_dir: str, mask: int) -> str:
-  """64 bytes in the middle of the arrays stored in the largest data file,
-  as the issue did (the file's middle itself may be a b-tree node, whose
-  damage orbax may never read); returns the array hit."""
-  chunks = _chunks(step_dir)
-  largest = max({c[1] for c in chunks}, key=os.path.getsize)
-  mine = sorted((c for c in chunks if c[1] == largest), key=lambda c: c[2])
-  name, path, offset, length = mine[len(mine) // 2]
-  _xor(path, offset + length // 2 - 32, 64, mask)
-  return name
-
-
-def _flip_in_array(step_dir: str, name: str, mask: int) -> str:
-  """16 stored bytes in the middle of array ``name``'s first chunk."""
-  _, path, offset, length = next(c for c in _chunks(step_dir)
-                                 if c[0] == name)
-  _xor(path, offset + length // 2, 16, mask)
-  return name
-
-
-def _edit_value(step_dir: str, name: str, edit) -> None:
-  """Rewrites array ``name`` of a saved step in place through tensorstore
-  (``edit(numpy array)`` changes it): a consistent, readable checkpoint
-  whose digest table is not updated."""
-  spec = {"driver": "zarr", "kvstore": {
-      "driver": "ocdbt", "base": f"file://{step_dir}/state/",
-      "path": f"{name}/"}}
-  array = ts.open(spec).result()
-  values = array.read().result()
-  edit(values)
-  array.write(values).result()
-
-
-def _lowest_bit(values):
-  values.reshape(-1).view(np.uint32)[values.size // 2] ^= 1
-
-
-def _nan(values):
-  values.reshape(-1)[values.size // 3] = np.nan
-
-
-def _nan_saved_with_its_digest(workdir: str, step: int, setup) -> None:
-  """The step rewritten by the Checkpointer from its own state with a NaN
-  in one parameter: the digests match (the NaN was saved), the values do
-  not pass."""
-  ckpt = checkpointing.Checkpointer(workdir, keep=5, async_save=False)
-  restored = ckpt._manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(setup_lib.abstract_state(setup)),
-      meta=ocp.args.JsonRestore()))
-  meta = dict(restored["meta"])
-  state = jax.tree_util.tree_map_with_path(
-      lambda path, x: x.at[1, 2, 3].set(jnp.nan)
-      if digest._name(path) == PARAM else x, restored["state"])
-  shutil.rmtree(os.path.join(workdir, "checkpoints", str(step)))
-  ckpt._manager.reload()
-  assert ckpt.save(step, state, meta)
-  ckpt.close()
-  return PARAM
-
-
-def _edited(step_dir: str, name: str, edit) -> str:
-  _edit_value(step_dir, name, edit)
-  return name
-
-
-# How a step is damaged: (workdir, step, setup, an AdamW moment's name) ->
-# the array hit.
-DAMAGE = {
-    "data file, high bits": lambda w, s, setup, m: _flip_in_largest_file(
-        _dir(w, s), 0xF0),
-    "data file, low bits": lambda w, s, setup, m: _flip_in_largest_file(
-        _dir(w, s), 0x01),
-    "moment stored bytes, high bits": lambda w, s, setup, m: _flip_in_array(
-        _dir(w, s), m, 0x80),
-    "moment stored bytes, low bits": lambda w, s, setup, m: _flip_in_array(
-        _dir(w, s), m, 0x01),
-    "moment value, lowest bit": lambda w, s, setup, m: _edited(
-        _dir(w, s), m, _lowest_bit),
-    "parameter set to NaN": lambda w, s, setup, m: _edited(
-        _dir(w, s), PARAM, _nan),
-    "parameter saved as NaN": lambda w, s, setup, m: (
-        _nan_saved_with_its_digest(w, s, setup)),
-}
-
-
-def _says(damage: str, array: str) -> str:
-  """What the warning says after ``checkpoint step S (state: ``."""
-  if damage == "parameter saved as NaN":  # the digests agree; NaN does not
-    return f"non-finite values (NaN or inf): 1 in {array}"
-  return f"digest mismatch: {array} shard ["
-
-
-# Damage the arrays' own bytes; orbax restores it without an error.
-SILENT = [k for k in DAMAGE if k != "parameter saved as NaN"]
-
-
-def _dir(workdir, step) -> str:
-  return os.path.join(workdir, "checkpoints", str(step))
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
   """Steps 1 and 2 of a smoke-model TrainState on a 2x2x2 mesh."""
@@ -260,7 +119,7 @@ def saved(tmp_path_factory):
   for step, state in states.items():
     assert ckpt.save(step, state, {"data_position": 10 * step})
   ckpt.close()
-  return workdir, setup, states
+  return workdir, setup_lib.abstract_state(setup), states
 
 
 def _copy(saved, tmp_path) -> str:
@@ -269,33 +128,33 @@ def _copy(saved, tmp_path) -> str:
   return workdir
 
 
-@pytest.mark.parametrize("damage", sorted(SILENT))
+@pytest.mark.parametrize("damage", sorted(cd.IN_PLACE))
 def test_orbax_alone_reads_the_damage_without_an_error(saved, tmp_path,
                                                         damage):
   """What the digests are for: each of these restores through orbax and
   differs from what was saved."""
-  workdir, (_, setup, states) = _copy(saved, tmp_path), saved
-  DAMAGE[damage](workdir, 2, setup, _moment(states[2]))
+  workdir, (_, abstract, states) = _copy(saved, tmp_path), saved
+  cd.DAMAGE[damage](workdir, 2, abstract)
   manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"))
-  state = manager.restore(2, args=ocp.args.Composite(state=(
-      ocp.args.StandardRestore(setup_lib.abstract_state(setup)))))["state"]
+  state = manager.restore(2, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract)))["state"]
   manager.close()
   assert not _equal(state, states[2])
 
 
-@pytest.mark.parametrize("damage", sorted(DAMAGE))
+@pytest.mark.parametrize("damage", sorted(cd.DAMAGE))
 def test_a_damaged_step_falls_back_with_one_warning(saved, tmp_path, damage):
-  workdir, (_, setup, states) = _copy(saved, tmp_path), saved
-  array = DAMAGE[damage](workdir, 2, setup, _moment(states[2]))
+  workdir, (_, abstract, states) = _copy(saved, tmp_path), saved
+  array = cd.DAMAGE[damage](workdir, 2, abstract)
   warnings = []
   ckpt = checkpointing.Checkpointer(workdir, keep=5, async_save=False)
-  step, state, meta = ckpt.restore_intact(setup_lib.abstract_state(setup),
-                                          warn=warnings.append, set_aside=True)
+  step, state, meta = ckpt.restore_intact(abstract, warn=warnings.append,
+                                          set_aside=True)
   assert (step, meta) == (1, {"data_position": 10})
   assert _equal(state, states[1])
   assert len(warnings) == 1 and "\n" not in warnings[0], warnings
   assert warnings[0].startswith("WARNING: checkpoint step 2 (state: "
-                                + _says(damage, array)), warnings[0]
+                                + cd.says(damage, array)), warnings[0]
   assert warnings[0].endswith("is damaged; falling back to step 1")
   assert ckpt.all_steps() == [1]
   assert os.path.isdir(os.path.join(workdir, "damaged_checkpoints", "2"))
@@ -307,35 +166,34 @@ def test_another_mesh_verifies_the_whole_arrays(saved, tmp_path):
   whole on every device): an intact step verifies, a one-bit change in a
   moment is found by the array's digest."""
   workdir, (_, _, states) = _copy(saved, tmp_path), saved
-  other = _setup(**{"mesh.data": 8, "mesh.fsdp": 1, "mesh.tensor": 1})
+  other = setup_lib.abstract_state(
+      _setup(**{"mesh.data": 8, "mesh.fsdp": 1, "mesh.tensor": 1}))
   warnings = []
   ckpt = checkpointing.Checkpointer(workdir, keep=5, async_save=False)
-  step, state, _ = ckpt.restore_intact(setup_lib.abstract_state(other),
-                                       warn=warnings.append)
+  step, state, _ = ckpt.restore_intact(other, warn=warnings.append)
   assert step == 2 and not warnings and _equal(state, states[2])
-  moment = _moment(states[2])
-  _edit_value(_dir(workdir, 2), moment, _lowest_bit)
-  step, state, _ = ckpt.restore_intact(setup_lib.abstract_state(other),
-                                       warn=warnings.append)
+  moment = cd.edit_value(cd.step_dir(workdir, 2), cd.moment(workdir, 2),
+                         cd.lowest_bit)
+  step, state, _ = ckpt.restore_intact(other, warn=warnings.append)
   assert step == 1 and _equal(state, states[1])
   assert warnings == [
       f"WARNING: checkpoint step 2 (state: digest mismatch: {moment} (whole "
       f"array: restored on another mesh)) under {ckpt.directory} is "
       "damaged; falling back to step 1"]
   with pytest.raises(checkpointing.DamagedStep, match="digest mismatch"):
-    ckpt.restore(setup_lib.abstract_state(other), 2)
+    ckpt.restore(other, 2)
   ckpt.close()
 
 
 def test_a_deleted_digest_is_damage_and_a_step_saved_without_one_is_not(
     saved, tmp_path):
-  workdir, (_, setup, states) = _copy(saved, tmp_path), saved
-  os.remove(os.path.join(_dir(workdir, 2), "digest", "metadata"))
+  workdir, (_, abstract, states) = _copy(saved, tmp_path), saved
+  os.remove(os.path.join(cd.step_dir(workdir, 2), "digest", "metadata"))
   warnings = []
   ckpt = checkpointing.Checkpointer(workdir, keep=5, async_save=False)
-  abstract = setup_lib.abstract_state(setup)
   assert ckpt.restore_intact(abstract, warn=warnings.append)[0] == 1
   assert "(digest: digest/metadata is missing)" in warnings[0]
+  ckpt.close()
   # A step saved without digests (digest=False, or before they existed)
   # is verified by the non-finite check alone.
   plain = checkpointing.Checkpointer(str(tmp_path / "plain"),
@@ -345,4 +203,3 @@ def test_a_deleted_digest_is_damage_and_a_step_saved_without_one_is_not(
   step, state, _ = plain.restore_intact(abstract)
   assert step == 3 and _equal(state, states[2])
   plain.close()
-  ckpt.close()
