@@ -25,9 +25,10 @@ def step_dir(workdir, step) -> str:
 
 def moment(workdir, step) -> str:
   """The name of an AdamW first moment saved in the step."""
-  table = json.load(open(os.path.join(step_dir(workdir, step), "digest",
-                                      "metadata")))
-  return next(n for n in table["arrays"] if ".mu." in n and "up_proj" in n)
+  metadata = json.load(open(os.path.join(step_dir(workdir, step),
+                                         "_CHECKPOINT_METADATA")))
+  names = metadata["custom_metadata"]["digest"]["arrays"]
+  return next(n for n in names if ".mu." in n and "up_proj" in n)
 
 
 def chunks(directory: str) -> list[tuple[str, str, int, int]]:

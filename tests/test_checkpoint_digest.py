@@ -1,6 +1,7 @@
 """Checkpoints prove their integrity: damage that orbax reads without an
 error (a flipped byte, an edited value, a NaN) is caught by the digests or
 the non-finite check, and the newest intact step is used instead."""
+import json
 import os
 import shutil
 
@@ -185,21 +186,66 @@ def test_another_mesh_verifies_the_whole_arrays(saved, tmp_path):
   ckpt.close()
 
 
-def test_a_deleted_digest_is_damage_and_a_step_saved_without_one_is_not(
+def test_a_step_saved_without_digests_is_checked_for_non_finite_values(
     saved, tmp_path):
-  workdir, (_, abstract, states) = _copy(saved, tmp_path), saved
-  os.remove(os.path.join(cd.step_dir(workdir, 2), "digest", "metadata"))
-  warnings = []
-  ckpt = checkpointing.Checkpointer(workdir, keep=5, async_save=False)
-  assert ckpt.restore_intact(abstract, warn=warnings.append)[0] == 1
-  assert "(digest: digest/metadata is missing)" in warnings[0]
-  ckpt.close()
-  # A step saved without digests (digest=False, or before they existed)
-  # is verified by the non-finite check alone.
-  plain = checkpointing.Checkpointer(str(tmp_path / "plain"),
-                                     async_save=False, digest=False)
+  """``digest=False`` (and a step saved before digests existed)."""
+  _, abstract, states = saved
+  plain = checkpointing.Checkpointer(str(tmp_path), async_save=False,
+                                     digest=False)
   assert plain.save(3, states[2], {"data_position": 30})
-  assert not os.path.exists(os.path.join(plain.directory, "3", "digest"))
-  step, state, _ = plain.restore_intact(abstract)
+  nan = jax.tree_util.tree_map_with_path(
+      lambda path, x: x.at[0, 0, 0].set(jnp.inf)
+      if digest._name(path) == cd.PARAM else x, states[2])
+  assert plain.save(4, nan, {"data_position": 40})
+  metadata = json.load(open(os.path.join(plain.directory, "4",
+                                         "_CHECKPOINT_METADATA")))
+  assert "digest" not in (metadata.get("custom_metadata") or {})
+  warnings = []
+  step, state, _ = plain.restore_intact(abstract, warn=warnings.append)
   assert step == 3 and _equal(state, states[2])
+  assert f"(state: non-finite values (NaN or inf): 1 in {cd.PARAM})" in (
+      warnings[0])
   plain.close()
+
+
+def test_the_digest_is_the_documented_formula():
+  """A plain numpy evaluation of ``digest``'s formula: a new compiler or
+  JAX version cannot change the digests of saved checkpoints unnoticed."""
+
+  def fmix32(h):
+    for shift, mult in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+      h = (h ^ (h >> np.uint32(shift))) * np.uint32(mult)
+    return h ^ (h >> np.uint32(16))
+
+  x = np.random.default_rng(3).normal(size=(3, 40, 7)).astype(np.float32)
+  with np.errstate(over="ignore"):
+    key = (np.arange(x.size, dtype=np.uint32) * np.uint32(0x9E3779B1)
+           + np.uint32(0x243F6A88))
+    h1 = fmix32(x.reshape(-1).view(np.uint32) ^ key)
+    h2 = h1 * (key | np.uint32(1))
+  want = f"{int(h1.sum(dtype=np.uint32)):08x}{int(h2.sum(dtype=np.uint32)):08x}"
+  assert digest.digests({"x": jnp.asarray(x)})["x"].digest == want
+  assert digest.ALGORITHM == "adhash-fmix32x2-v2"
+
+
+def test_a_damaged_kl_reference_is_refused_in_one_line(tmp_path):
+  """The frozen KL reference (saved once, read on every resume) carries
+  digests too; no older copy exists, so damage is refused, not skipped."""
+  params = {"w": jnp.arange(64.0).reshape(8, 8), "b": jnp.ones(4)}
+  abstract = checkpointing.abstract_like(params)
+  checkpointing.reference_params(str(tmp_path), params, abstract)
+  again = checkpointing.reference_params(str(tmp_path), None, abstract)
+  assert _equal(again, params)
+  spec = {"driver": "zarr", "kvstore": {
+      "driver": "ocdbt", "base": f"file://{tmp_path}/reference/",
+      "path": "w/"}}
+  array = cd.ts.open(spec).result()
+  values = array.read().result()
+  cd.lowest_bit(values)
+  array.write(values).result()
+  with pytest.raises(checkpointing.NoIntactCheckpoint) as info:
+    checkpointing.reference_params(str(tmp_path), None, abstract)
+  message = str(info.value)
+  assert "\n" not in message and message.startswith(
+      f"the KL reference policy under {tmp_path}/reference is damaged "
+      "(digest mismatch: w shard [0:8,0:8])")
