@@ -201,7 +201,8 @@ def main():
       f"(median of 20, table built; the first call compiles: {first:.2f} s, "
       "once per run, at its first save).",
       "",
-      "| save mode | median without | median with | ratio | min without | min with | ratio |",
+      "| save mode | median without | median with | ratio | min without "
+      "| min with | ratio |",
       "|---|---:|---:|---:|---:|---:|---:|",
   ]
   for mode, key, label in (("sync", "total", "synchronous, whole save"),
