@@ -15,7 +15,14 @@ when it passes all of them. With `--template=chat` a code prompt is an
 instruction in the chat template; otherwise the completion prompt (the
 function prompt, or the question with an opened code fence). Logic:
 `ba_jax.run.eval_lib`.
+
+A trainer workdir's checkpoint is verified as `python -m ba_jax.export`
+verifies it: a damaged newest step is named in a one-line warning and the
+newest intact one is evaluated; with none intact the command exits 2 with
+one line.
 """
+import sys
+
 from absl import app, flags
 
 from ba_jax.run import eval_lib
@@ -60,12 +67,18 @@ def main(argv):
       n_samples=_K.value, rule=_RULE.value, template=_TEMPLATE.value,
       ks=tuple(int(k) for k in _PASS_KS.value) or None, grader_timeout_s=_GRADER_TIMEOUT.value,
       code_timeout_s=_CODE_TIMEOUT.value)
-  results = eval_lib.run_evaluation(
-      _MODEL.value, _BENCHMARKS.value, _DATA_DIR.value, _OUTPUT_DIR.value, settings=settings,
-      max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
-      top_k=_TOP_K.value, batch_size=_BATCH_SIZE.value, seed=_SEED.value, step=_STEP.value,
-      num_workers=_NUM_WORKERS.value, limit=_LIMIT.value, max_slots=_MAX_SLOTS.value,
-      prefill_chunk=_PREFILL_CHUNK.value, cache_phases=_CACHE_PHASES.value)
+  from ba_jax.run import checkpointing
+  try:
+    results = eval_lib.run_evaluation(
+        _MODEL.value, _BENCHMARKS.value, _DATA_DIR.value, _OUTPUT_DIR.value, settings=settings,
+        max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
+        top_p=_TOP_P.value, top_k=_TOP_K.value, batch_size=_BATCH_SIZE.value, seed=_SEED.value,
+        step=_STEP.value, num_workers=_NUM_WORKERS.value, limit=_LIMIT.value,
+        max_slots=_MAX_SLOTS.value, prefill_chunk=_PREFILL_CHUNK.value,
+        cache_phases=_CACHE_PHASES.value)
+  except checkpointing.NoIntactCheckpoint as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
   print(eval_lib.markdown_table(results))
 
 

@@ -2,9 +2,11 @@
 
 Writes the newest (or ``--step``) policy of a training workdir as a Hugging
 Face directory (config.json, safetensors, tokenizer) that ``transformers``
-loads. A damaged newest checkpoint is named in a one-line warning and the
-newest intact one is exported; with none intact the command exits 2 with one
-line. Both directories may be URLs (``gs://...``, through ``etils.epath``).
+loads. A checkpoint is verified before it is written out (its files, the
+digests of its arrays, no NaN or inf in them): a damaged newest step is named
+in a one-line warning and the newest intact one is exported; with none intact
+(or a damaged ``--step``) the command exits 2 with one line. Both
+directories may be URLs (``gs://...``, through ``etils.epath``).
 """
 import sys
 

@@ -12,7 +12,8 @@ that changes the experiment is refused unless ``--allow_config_change``
 (recorded in the workdir's config_changes.jsonl). Exit status: 0 done or
 stopped to resume later (SIGTERM, stop_after_steps), 2 a refused config or
 no intact checkpoint (one line on stderr), 3 stopped by the non-finite
-guard (rl.max_nonfinite).
+guard (rl.max_nonfinite) or ended by steps whose updates were all
+non-finite (one line on stderr with the count; summary.json has it too).
 """
 import os
 import sys
@@ -126,12 +127,32 @@ def main(argv) -> int:
           checks.ConfigError, data.DataError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return EXIT_REFUSED
-  if summary.get("stopped") == trainer.StopReason.NONFINITE:
-    print(f"error: stopped at step {summary['step']}: rl.max_nonfinite="
-          f"{config.rl.max_nonfinite} non-finite updates in a row",
-          file=sys.stderr, flush=True)
-    return EXIT_NONFINITE
-  return 0
+  status, line = exit_status(summary, config.rl.max_nonfinite)
+  if line:
+    print(line, file=sys.stderr, flush=True)
+  return status
+
+
+def exit_status(summary: dict, max_nonfinite: int) -> tuple[int, str | None]:
+  """The exit status of a run that returned ``summary``, and the line for
+  stderr: EXIT_NONFINITE when the non-finite guard stopped it or its last
+  steps (one or more, cut short by rl.steps) all skipped updates; else 0,
+  with a warning when updates were skipped on the way."""
+  skipped = summary.get("nonfinite_updates", 0)
+  at_end = summary.get("nonfinite_steps_at_end", 0)
+  if summary.get("stopped") == "nonfinite":
+    return EXIT_NONFINITE, (
+        f"error: stopped at step {summary['step']}: rl.max_nonfinite="
+        f"{max_nonfinite} non-finite updates in a row")
+  if at_end and summary.get("stopped") is None:
+    return EXIT_NONFINITE, (
+        f"error: the run ended at step {summary['step']} after {at_end} "
+        f"step(s) in a row with non-finite updates; {skipped} updates were "
+        "skipped in all (summary.json: nonfinite_updates)")
+  if skipped:
+    return 0, (f"warning: {skipped} non-finite updates were skipped in this "
+               "run (summary.json: nonfinite_updates)")
+  return 0, None
 
 
 if __name__ == "__main__":

@@ -34,22 +34,14 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_processes_agree_with_one(tmp_path):
-  """2 processes x 4 CPU devices vs 1 process x 8 devices, same mesh
-  (data 8): the same samples, metrics and parameters. No warm-up: the
-  random policy's rewards vary through the soft overlong penalty, so the
-  advantages and the updates are not zero."""
-  single = tmp_path / "single"
-  one = tu.run_module(["ba_jax.train", f"--workdir={single}", *ARGS])
-  assert one.returncode == 0, one.stderr[-3000:]
-
-  multi = tmp_path / "multi"
+def _train_in_two_processes(workdir, args) -> list[tuple[str, str]]:
+  """``python -m ba_jax.train`` as 2 processes x 4 CPU devices; both must
+  exit 0. Returns their (stdout, stderr)."""
   port = _free_port()
   env = dict(os.environ,
              XLA_FLAGS="--xla_force_host_platform_device_count=4")
   procs = [subprocess.Popen(
-      [sys.executable, "-m", "ba_jax.train", f"--workdir={multi}", *ARGS,
+      [sys.executable, "-m", "ba_jax.train", f"--workdir={workdir}", *args,
        f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
        f"--process_id={i}"], cwd=tu.REPO, env=env, stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -64,6 +56,21 @@ def test_two_processes_agree_with_one(tmp_path):
   outputs = [p.communicate() for p in procs]
   for p, (out, err) in zip(procs, outputs):
     assert p.returncode == 0, out[-2000:] + err[-4000:]
+  return outputs
+
+
+@pytest.mark.slow
+def test_two_processes_agree_with_one(tmp_path):
+  """2 processes x 4 CPU devices vs 1 process x 8 devices, same mesh
+  (data 8): the same samples, metrics and parameters. No warm-up: the
+  random policy's rewards vary through the soft overlong penalty, so the
+  advantages and the updates are not zero."""
+  single = tmp_path / "single"
+  one = tu.run_module(["ba_jax.train", f"--workdir={single}", *ARGS])
+  assert one.returncode == 0, one.stderr[-3000:]
+
+  multi = tmp_path / "multi"
+  outputs = _train_in_two_processes(multi, ARGS)
   assert "held-out accuracy, before -> after RL" in outputs[0][0]
   assert "held-out accuracy" not in outputs[1][0]  # only process 0 logs
 
@@ -88,3 +95,36 @@ def test_two_processes_agree_with_one(tmp_path):
   m2, _, _ = workdir_lib.restore_policy(str(multi))
   assert tu.max_abs_diff(tu.host_params(nnx.state(m1)),
                          tu.host_params(nnx.state(m2))) < 1e-6
+
+
+@pytest.mark.slow
+def test_two_processes_fall_back_to_the_same_step(tmp_path):
+  """On an fsdp 8 mesh each process holds, restores and verifies half of
+  every array. Bytes flipped in a moment's chunk that only process 1 wrote
+  and reads: on rerun both processes set step 2 aside and resume from step
+  1 (one warning, from process 0), and replay step 2 to the parameters of
+  the undamaged run."""
+  import checkpoint_damage as cd
+  args = [*ARGS, "--config.checkpoint.every=1", "--config.checkpoint.keep=5",
+          "--config.mesh.data=1", "--config.mesh.fsdp=8"]
+  workdir = tmp_path / "run"
+  _train_in_two_processes(workdir, args)
+  m, _, _ = workdir_lib.restore_policy(str(workdir))
+  undamaged = tu.host_params(nnx.state(m))
+  moment = cd.moment(workdir, 2)
+  _, path, offset, length = next(
+      c for c in cd.chunks(cd.step_dir(workdir, 2))
+      if c[0] == moment and "ocdbt.process_1" in c[1])
+  cd._xor(path, offset + length // 2, 16, 0x80)
+
+  outputs = _train_in_two_processes(workdir, args)
+  ckpt_dir = workdir / "checkpoints"
+  warnings = [l for l in outputs[0][0].split("\n") if "WARNING" in l]
+  assert len(warnings) == 1 and warnings[0].startswith(
+      f"WARNING: checkpoint step 2 (state: digest mismatch: {moment} shard [")
+  assert warnings[0].endswith("is damaged; falling back to step 1")
+  assert f"resumed from {ckpt_dir} at step 1" in outputs[0][0]
+  assert "WARNING" not in outputs[1][0]  # only process 0 logs
+  assert sorted(os.listdir(tmp_path / "run" / "damaged_checkpoints")) == ["2"]
+  m, _, _ = workdir_lib.restore_policy(str(workdir))
+  assert tu.max_abs_diff(tu.host_params(nnx.state(m)), undamaged) == 0.0

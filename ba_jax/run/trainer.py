@@ -8,7 +8,9 @@ donated). Metrics are logged one step behind; checkpoints are orbax, async,
 every ``checkpoint.every`` steps and at the end. A run stops early for one
 of ``StopReason``'s reasons, checked between steps: SIGTERM (saves and
 returns), ``stop_after_steps`` (the same), or ``rl.max_nonfinite``
-non-finite updates in a row (returns; the last checkpoint is intact).
+non-finite updates in a row (returns; the last checkpoint is intact). The
+summary (and ``summary.json``) counts the skipped non-finite updates and
+the non-finite steps in a row that ended the run.
 """
 from __future__ import annotations
 
@@ -155,7 +157,7 @@ def run(config, workdir: str, *, explicit: Collection[str] = (),
         log("resuming with a changed config (recorded in "
             f"{resume.CHANGES_FILE}): " + ", ".join(changes))
       latest, state, meta = ckpt.restore_intact(
-          abstract_state(setup), warn=log, set_aside=main)
+          abstract_state(setup), warn=log, set_aside=True)
       if main:
         r.logged_until = resume.last_logged_step(workdir)
         resume.drop_replayed_rows(workdir, latest)
@@ -296,15 +298,24 @@ def _loop(r: _Run, state, meta) -> dict:
     if reason is not None:  # SIGTERM after the last step's checkpoint
       r.log(f"stopping after the last step {step} ({reason}); its checkpoint "
             "is saved and the final evaluation runs on restart")
-  out = {"stopped": reason, "step": step}
+  # Skipped updates over the whole run (the count is part of the state) and
+  # the steps in a row that ended it with some: the exit status reads both.
+  skipped = {"nonfinite_updates": int(jax.device_get(state.nonfinite)),
+             "nonfinite_steps_at_end": r.nonfinite_streak}
+  out = {"stopped": reason, "step": step, **skipped}
   if reason is StopReason.NONFINITE:
     r.log(f"{r.nonfinite_streak} steps in a row with a non-finite loss or "
           f"gradient (rl.max_nonfinite={rl.max_nonfinite}); stopping. The "
           f"last checkpoint is intact: {r.ckpt.directory} step "
           f"{r.ckpt.latest_step()}")
+    if jax.process_index() == 0:
+      paths.write_json(paths.path(r.workdir) / "summary.json",
+                       {"step": step, "stopped": str(reason),
+                        "before_rl": meta["before_rl"], **skipped})
   elif reason is None:
     r.ckpt.wait()
-    out["after_rl"] = _final_eval(r, state, meta["before_rl"], logger, step)
+    out["after_rl"] = _final_eval(r, state, meta["before_rl"], logger, step,
+                                  skipped)
   logger.close()
   out.update(history=logger.history, state=state)
   return out
@@ -325,7 +336,8 @@ def _host_metrics(ro: rollout.Rollout, group_size: int, *, t0: float,
   return host
 
 
-def _final_eval(r: _Run, state, before: dict, logger, step: int) -> dict:
+def _final_eval(r: _Run, state, before: dict, logger, step: int,
+                skipped: dict) -> dict:
   after = evaluate(r.setup, state.params,
                    jax.random.fold_in(r.base_key, EVAL_KEY),
                    workdir=r.workdir, step=step)
@@ -340,5 +352,6 @@ def _final_eval(r: _Run, state, before: dict, logger, step: int) -> dict:
         f"{after['heldout_acc_greedy']:.3f}")
   if jax.process_index() == 0:
     paths.write_json(paths.path(r.workdir) / "summary.json",
-                     {"step": step, "before_rl": before, "after_rl": after})
+                     {"step": step, "before_rl": before, "after_rl": after,
+                      **skipped})
   return after

@@ -47,10 +47,12 @@ def restore_policy(workdir: str, step: int | None = None, *, mesh_shape=None,
                    warn=print):
   """The policy saved in ``workdir``: ``(model, model_config, tokenizer)``.
 
-  Restores the newest intact checkpoint (a damaged newer one is named in a
-  one-line ``warn``), or ``step``, onto a mesh of this machine's devices
-  (``mesh_shape``, default the run's own, e.g. {"data": -1, ...}), whatever
-  mesh it was saved from. Needs only the workdir (not init_from).
+  Restores the newest checkpoint that verifies (its digests, no NaN or inf;
+  a damaged newer one is named in a one-line ``warn``), or ``step`` (raises
+  ``NoIntactCheckpoint`` when it does not verify), onto a mesh of this
+  machine's devices (``mesh_shape``, default the run's own, e.g.
+  {"data": -1, ...}), whatever mesh it was saved from. Needs only the
+  workdir (not init_from).
   """
   config = load_run_config(workdir)
   if mesh_shape is not None:
@@ -67,12 +69,10 @@ def restore_policy(workdir: str, step: int | None = None, *, mesh_shape=None,
     else:
       try:
         state, _ = ckpt.restore(abstract_state(setup), step)
-      except FileNotFoundError:
-        raise
-      except Exception as e:  # orbax/tensorstore raise many kinds
+      except checkpointing.DamagedStep as e:
         raise checkpointing.NoIntactCheckpoint(
-            f"checkpoint step {step} under {ckpt.directory} is damaged: "
-            f"{checkpointing.first_line(e)}") from None
+            f"checkpoint step {step} under {ckpt.directory} is damaged "
+            f"({e})") from None
   finally:
     ckpt.close()
   model = nnx.merge(setup.graphdef, state.params)
