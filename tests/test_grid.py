@@ -94,18 +94,15 @@ def test_grid_runs_a_smoke_cell_and_writes_its_reports(tmp_path, monkeypatch):
   out = tmp_path / "grid"
   rows = grid_aggregation.main([
       "--gaps=neg,pos", "--spreads=high", "--modes=token,balanced",
-      "--seeds=2", "--variant=smoke", f"--outdir={out}",
+      "--seeds=1", "--variant=smoke", f"--outdir={out}",
       "--override=--config.rl.steps=2"])
-  assert len(rows) == 2 * 2 * 2
+  assert len(rows) == 2 * 2
   for row in rows:
     assert row["steps"] == 2 and len(row["curves"]["entropy"]) == 2
     assert "collapsed" in row["stability"]
   # Common random numbers: one warm-up per seed, shared by gaps and rules.
-  for seed in (0, 1):
-    before = {r["heldout_before"] for r in rows
-              if r["seed"] == seed and r["gap"] == "pos"}
-    assert len(before) == 1
-  assert len(list((out / "runs").glob("warmup_*"))) == 2
+  assert len({r["heldout_before"] for r in rows if r["gap"] == "pos"}) == 1
+  assert len(list((out / "runs").glob("warmup_*"))) == 1
   table = (out / "table.md").read_text()
   assert "| high | neg | balanced | 2 |" in table
   assert "balanced - token" in table
