@@ -104,7 +104,7 @@ def test_grid_runs_a_smoke_cell_and_writes_its_reports(tmp_path, monkeypatch):
   assert len({r["heldout_before"] for r in rows if r["gap"] == "pos"}) == 1
   assert len(list((out / "runs").glob("warmup_*"))) == 1
   table = (out / "table.md").read_text()
-  assert "| high | neg | balanced | 2 |" in table
+  assert "| high | neg | balanced | 1 |" in table
   assert "balanced - token" in table
   assert (out / "curves_high_pos.png").stat().st_size > 10_000
   lines = (out / "results.jsonl").read_text().splitlines()
