@@ -512,12 +512,19 @@ def parse(config) -> RunConfig:
   return dataclasses.replace(run, task=task, **sections)
 
 
+def _keys(cls) -> list:
+  """A section's own key fields (RunConfig's sections excluded)."""
+  return [f for f in dataclasses.fields(cls)
+          if f.name not in SECTIONS and f.name != "task"]
+
+
+def _default(f):
+  return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def defaults(cls) -> dict:
   """A section's (or a task section's) defaults as a plain dict."""
-  return {f.name: (f.default_factory() if f.default is dataclasses.MISSING
-                   else f.default) for f in dataclasses.fields(cls)
-          if not dataclasses.is_dataclass(f.default_factory)
-          and f.name not in ("task",) and f.name not in SECTIONS}
+  return {f.name: _default(f) for f in _keys(cls)}
 
 
 def free_keys() -> tuple[str, ...]:
@@ -531,15 +538,12 @@ def free_keys() -> tuple[str, ...]:
 def rows(cls, prefix: str = "") -> list[tuple[str, str, str, str]]:
   """(dotted key, default, range or choices, documentation) of a section."""
   out = []
-  for f in dataclasses.fields(cls):
-    if f.name in SECTIONS or f.name == "task":
-      continue
+  for f in _keys(cls):
     meta = f.metadata
     allowed = ("one of " + "|".join(meta["choices"]) if meta.get("choices")
                else meta["check"].expected if meta.get("check") else "")
-    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
     doc = meta["doc"] + (" [resume may change]" if meta.get("free") else "")
-    out.append((prefix + f.name, repr(default), allowed, doc))
+    out.append((prefix + f.name, repr(_default(f)), allowed, doc))
   return out
 
 
