@@ -11,11 +11,16 @@ this file states the model, the task and what differs. Variants (comma separated
     --config=configs/tiny.py:smoke          a few-second run for tests and CI
     --config=configs/tiny.py:agg=token      another aggregation rule
     --config=configs/tiny.py:gap=-6         wrong answers 6 tokens shorter
+    --config=configs/tiny.py:lora           RL trains LoRA adapters (rank 8) on the
+                                            warmed-up policy (lora=<rank> for another)
 """
 from ba_jax.config import common
 
+# The adapters' rate (the full-parameter run's is 1e-4).
+LORA_LEARNING_RATE = 1e-3
+
 VARIANTS = {"smoke": "a seconds-scale run", "agg": "<aggregation mode>",
-            "gap": "<int> wrong minus right warm-up length"}
+            "gap": "<int> wrong minus right warm-up length", "lora": common.LORA_VARIANT}
 
 
 def get_config(arg=None):
@@ -35,6 +40,9 @@ def get_config(arg=None):
   c.sft.steps = 600
   # 1e-3 drifts the tiny policy off the task.
   c.optim.learning_rate = 1e-4
+
+  if args.get("lora"):
+    common.lora(c, args["lora"], learning_rate=LORA_LEARNING_RATE)
 
   if args.get("smoke"):
     c.model.update(hidden_size=32, intermediate_size=64, num_heads=2,

@@ -380,3 +380,17 @@ def test_dry_run_reports_the_engine_and_the_slots_that_fit(monkeypatch, dtype):
 def _bf16(config):
   config.model.dtype = "bfloat16"  # compute and cache; float32 parameters
   return config
+
+
+@pytest.mark.slow
+def test_lora_variant_keeps_optimizer_state_for_the_adapters_only():
+  """configs/tiny.py:lora: the donated state is the float32 weights plus two
+  AdamW moments of the adapters alone, and the report says so."""
+  r = compile_lib.dry_run(load("configs/tiny.py:lora"), sample=False)
+  m = r["model"]
+  assert m["lora_rank"] == 8 and 0 < m["trainable"] < m["params"] / 2
+  state = 4 * (m["params"] + 2 * m["trainable"])
+  assert state <= r["train_step"]["memory"]["alias"] <= state + 64
+  text = report_lib.format_report(r)
+  assert (f"LoRA: rank 8 adapters, {report_lib._count(m['trainable'])} trainable parameters"
+          in text)

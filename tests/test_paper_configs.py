@@ -11,6 +11,7 @@ from ml_collections import config_flags
 from ba_jax.config import schema
 from ba_jax.loss import aggregation
 from ba_jax.policy import model as model_lib
+from ba_jax.run import model_setup
 from ba_jax.run import checks
 from ba_jax.run import setup as setup_lib
 from ba_jax.run import workdir as workdir_lib
@@ -122,7 +123,7 @@ def test_recipe(path):
 
 def test_model_fields_build_the_model_of_the_stated_size(path):
   expected, model_type = PAPER_CONFIGS[path]
-  config = model_lib.ModelConfig(**load(path).model)
+  config = model_setup.build_model_config(schema.parse(load(path)))
   assert config.model_type == model_type
   abstract = nnx.eval_shape(lambda: model_lib.Decoder(config, rngs=nnx.Rngs(0)))
   leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
@@ -135,7 +136,7 @@ def test_model_fields_build_the_model_of_the_stated_size(path):
 def test_model_fields_match_the_hf_config_json(path):
   """The fields round-trip through transformers' config.json layout, which
   is what ``init_from`` checkpoints carry."""
-  config = model_lib.ModelConfig(**load(path).model)
+  config = model_setup.build_model_config(schema.parse(load(path)))
   again = model_lib.ModelConfig.from_hf_dict(
       config.to_hf_dict(), dtype=config.dtype, param_dtype=config.param_dtype,
       remat=config.remat)

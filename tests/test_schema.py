@@ -41,6 +41,8 @@ def test_every_config_and_variant_parses(name, variant):
     if isinstance(values, dict) and section != "task":
       for key, value in values.items():
         got = getattr(getattr(cfg, section), key)
+        if dataclasses.is_dataclass(got):  # a nested section (model.lora)
+          got = dataclasses.asdict(got)
         assert got == (tuple(value) if isinstance(value, list) else value), (section, key)
 
 
@@ -107,8 +109,9 @@ def test_lower_typed_configs_check_through_the_schema():
 
 
 def test_model_section_is_model_config():
+  # Every ModelConfig field, then the nested adapters section (not part of the architecture).
   assert ([f.name for f in dataclasses.fields(schema.Model)]
-          == [f.name for f in dataclasses.fields(model_lib.ModelConfig)])
+          == [f.name for f in dataclasses.fields(model_lib.ModelConfig)] + ["lora"])
   assert set(schema.ARCHITECTURE_KEYS) < {f.name for f in dataclasses.fields(schema.Model)}
 
 
@@ -163,3 +166,22 @@ def test_helpconfig_prints_the_schema():
       assert f"({allowed})" in text
   assert "rl.group_size = 8  (>= 2 (with one response" in text
   assert "[resume may change]" in text
+
+
+def test_nested_lora_section_parses_checks_and_lists():
+  cfg = schema.parse({"model": {"lora": {"rank": 8, "alpha": 32}}})
+  assert cfg.model.lora == schema.Lora(rank=8, alpha=32.0)
+  assert schema.parse({}).model.lora.rank == 0
+  with pytest.raises(ValueError, match=r"model\.lora\.rank=-1: expected >= 0"):
+    schema.parse({"model": {"lora": {"rank": -1}}})
+  with pytest.raises(ValueError, match=r"model\.lora\.ranks: unknown key"):
+    schema.parse({"model": {"lora": {"ranks": 8}}})
+  with pytest.raises(ValueError, match=r"model\.lora\.dropout=0\.1: expected 0\.0"):
+    schema.parse({"model": {"lora": {"dropout": 0.1}}})
+  with pytest.raises(ValueError, match=r"model\.lora=8: expected a section"):
+    schema.parse({"model": {"lora": 8}})
+  assert schema.check("model.lora.alpha", 4) == 4.0
+  assert schema.defaults(schema.Model)["lora"] == {"rank": 0, "alpha": 16.0, "dropout": 0.0,
+                                                   "module_path": ".*"}
+  assert "model.lora.rank" in [row[0] for row in schema.rows(schema.Model, "model.")]
+  assert "model.lora.rank" in schema.help_text()

@@ -62,7 +62,19 @@ def model(**fields) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({**runtime, **fields})
 
 
+LORA_VARIANT = "LoRA adapters (qwix) of rank 8, or lora=<rank>; the base stays frozen"
+
+
+def lora(c: ml_collections.ConfigDict, value, *, learning_rate: float) -> None:
+  """The ``:lora`` variant: adapters of rank ``value`` (``True``: 8) and
+  alpha = 2 x rank on every projection, trained at ``learning_rate``."""
+  rank = 8 if value is True else int(value)
+  c.model.lora.update(rank=rank, alpha=float(2 * rank))
+  c.optim.learning_rate = learning_rate
+
+
 PAPER_VARIANTS = {"agg": "<aggregation mode>", "param_dtype": "<dtype>",
+                  "lora": LORA_VARIANT,
                   "runlocal": "a few steps on this CPU: tiny random model of "
                               "the same family on the bundled synthetic task"}
 
@@ -77,6 +89,9 @@ def paper_config(arg, config_file: str, **architecture
   c = base(aggregation=args.get("agg", "balanced"))
   c.model = model(**architecture)
   dapo_recipe(c, param_dtype=args.get("param_dtype", "float32"))
+  if args.get("lora"):
+    # 10x the full-parameter rate, the usual ratio for LoRA.
+    lora(c, args["lora"], learning_rate=10 * c.optim.learning_rate)
   return c, args
 
 

@@ -238,6 +238,18 @@ class Log:
 
 
 @dataclasses.dataclass(frozen=True)
+class Lora:
+  """LoRA adapters through qwix (``ba_jax.policy.lora``); rank 0 trains every parameter."""
+  rank: int = key(0, "adapter rank (0: no adapters, full-parameter training)", check=at_least(0))
+  alpha: float = key(16.0, "the adapters' output is scaled by alpha / rank", check=above(0))
+  dropout: float = key(0.0, "dropout on the adapters' input", check=Check(
+      lambda x: x == 0, "0.0: qwix would apply it in every forward, sampling and old log-probs "
+      "included, so the PPO ratio's two log-probs would differ"))
+  module_path: str = key(".*", "regex (full match) over a layer's modules, self_attn (q/k/v/o) "
+                         "and mlp (gate/up/down): the projections that get adapters")
+
+
+@dataclasses.dataclass(frozen=True)
 class Model:
   """The policy (ModelConfig); with init_from set, only the non-architecture keys apply."""
   model_type: str = key("qwen3", "architecture family", choices=MODEL_TYPES)
@@ -268,6 +280,7 @@ class Model:
                            check=at_least(1))
   scan_unroll: int = key(0, "layers per layer-scan iteration (0: every layer on CPU, 1 on "
                          "accelerators)", check=at_least(0))
+  lora: Lora = dataclasses.field(default_factory=Lora)
 
 
 ARCHITECTURE_KEYS = (
@@ -459,6 +472,12 @@ def _section(cls, values: dict, prefix: str):
     if name not in values:
       continue
     dotted = prefix + name
+    if dataclasses.is_dataclass(hints[name]):  # a nested section, e.g. model.lora
+      if not isinstance(values[name], dict):
+        raise ValueError(f"{dotted}={values[name]!r}: expected a section (keys "
+                         f"{[g.name for g in dataclasses.fields(hints[name])]})")
+      out[name] = _section(hints[name], values[name], dotted + ".")
+      continue
     value = _coerce(dotted, values[name], hints[name])
     if value is not None:
       choices, check = f.metadata.get("choices"), f.metadata.get("check")
@@ -476,7 +495,10 @@ def check(dotted: str, value):
   ``"rl.group_size"``); the typed configs of lower modules check their
   fields with it."""
   section, _, name = dotted.rpartition(".")
-  cls = SECTIONS[section] if section else RunConfig
+  head, *nested = section.split(".") if section else [""]
+  cls = SECTIONS[head] if head else RunConfig
+  for part in nested:
+    cls = typing.get_type_hints(cls)[part]
   return getattr(_section(cls, {name: value}, f"{section}." if section else ""), name)
 
 
@@ -518,20 +540,36 @@ def _keys(cls) -> list:
           if f.name not in SECTIONS and f.name != "task"]
 
 
+def _nested(f) -> type | None:
+  """The section class of a nested section field (e.g. ``model.lora``), else None."""
+  factory = f.default_factory
+  return factory if dataclasses.is_dataclass(factory) else None
+
+
 def _default(f):
   return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def defaults(cls) -> dict:
-  """A section's (or a task section's) defaults as a plain dict."""
-  return {f.name: _default(f) for f in _keys(cls)}
+  """A section's (or a task section's) defaults as a plain dict (nested sections as dicts)."""
+  return {f.name: defaults(_nested(f)) if _nested(f) else _default(f) for f in _keys(cls)}
+
+
+def _free(cls, prefix: str) -> list[str]:
+  out = []
+  for f in dataclasses.fields(cls):
+    if _nested(f):
+      out += _free(_nested(f), f"{prefix}{f.name}.")
+    elif f.metadata.get("free"):
+      out.append(prefix + f.name)
+  return out
 
 
 def free_keys() -> tuple[str, ...]:
   """Dotted keys a resumed run may change (how it runs, not what it computes)."""
   out = [f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("free")]
   for name, cls in SECTIONS.items():
-    out += [f"{name}.{f.name}" for f in dataclasses.fields(cls) if f.metadata.get("free")]
+    out += _free(cls, f"{name}.")
   return tuple(out)
 
 
@@ -539,6 +577,9 @@ def rows(cls, prefix: str = "") -> list[tuple[str, str, str, str]]:
   """(dotted key, default, range or choices, documentation) of a section."""
   out = []
   for f in _keys(cls):
+    if _nested(f):
+      out += rows(_nested(f), f"{prefix}{f.name}.")
+      continue
     meta = f.metadata
     allowed = ("one of " + "|".join(meta["choices"]) if meta.get("choices")
                else meta["check"].expected if meta.get("check") else "")

@@ -270,7 +270,8 @@ class Attention(nnx.Module):
     self.k_norm = RMSNorm(D, c.rms_norm_eps, self.dtype, pd, rngs=rngs) if c.qk_norm else None
 
   def _project(self, x, kernel, bias):
-    y = jnp.einsum("ble,ehd->blhd", x, kernel[...].astype(self.dtype))
+    # .astype: LoRA's delta (qwix) is in the adapters' dtype; the layer computes in self.dtype.
+    y = jnp.einsum("ble,ehd->blhd", x, kernel[...].astype(self.dtype)).astype(self.dtype)
     return y if bias is None else y + bias[...].astype(self.dtype)
 
   def __call__(self, x_BxLxE, cos_BxLxD, sin_BxLxD, mask_BxL, cache_kv=None, index=None, allowed_BxLxS=None):
@@ -289,7 +290,7 @@ class Attention(nnx.Module):
       k, v = kv_cache_lib.write_kv(*cache_kv, k, v, index)  # [B,K,D,S], [B,K,S,D]; shared or per-row index
       new_kv = (k, v)
       out = attention_lib.full_attention(q, k, v, allowed_BxLxS, kv_axes="bksd", k_axes="bkds")
-    out = jnp.einsum("blhd,hde->ble", out, self.o_proj[...].astype(self.dtype))
+    out = jnp.einsum("blhd,hde->ble", out, self.o_proj[...].astype(self.dtype)).astype(self.dtype)
     if self.o_bias is not None:
       out = out + self.o_bias[...].astype(self.dtype)
     return out, new_kv
@@ -305,9 +306,11 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BxLxE):
     dt = self.dtype
-    gate = x_BxLxE @ self.gate_proj[...].astype(dt)
-    up = x_BxLxE @ self.up_proj[...].astype(dt)
-    return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt)
+    # einsum rather than `@`: LoRA (qwix) intercepts jnp.einsum calls made in the module itself
+    # and adds its delta in the adapters' dtype (hence .astype).
+    gate = jnp.einsum("ble,em->blm", x_BxLxE, self.gate_proj[...].astype(dt)).astype(dt)
+    up = jnp.einsum("ble,em->blm", x_BxLxE, self.up_proj[...].astype(dt)).astype(dt)
+    return jnp.einsum("blm,me->ble", jax.nn.silu(gate) * up, self.down_proj[...].astype(dt)).astype(dt)
 
 
 class DecoderLayer(nnx.Module):
@@ -427,6 +430,10 @@ class Decoder(nnx.Module):
 
     x = self.embed_tokens[...][input_ids_BxL].astype(dt)
     x = sharding_lib.constrain(x, RESIDUAL_AXES)
+    if layers is not None:
+      # Modules of this trace level: a layer taken outside a decode loop and called inside it
+      # must not be mutated there, and LoRA (qwix) sets attributes on the module it runs in.
+      layers = [nnx.merge(*nnx.split(layer)) for layer in layers]
     if cache is None and layers is not None:  # unrolled: one program body per layer
       for layer in layers:
         x, _ = _remat(lambda x, layer=layer: layer(x, cos, sin, mask_BxL), c.remat)(x)

@@ -295,8 +295,21 @@ def reference_params(workdir: str, params: Any, abstract_params: Any) -> Any:
   """The frozen KL reference: saved from ``params`` on a fresh run, read
   back (onto ``abstract_params``' shardings) on a resumed one, so that
   pruning old checkpoints never loses it."""
-  path = paths.path(workdir) / "reference"
-  digest_path = paths.path(workdir) / "reference_digest.json"
+  return frozen_params(
+      workdir, "reference", params, abstract_params,
+      missing="this run was started without a KL reference (loss.kl_coef=0); "
+              "resume it with loss.kl_coef=0 or start anew",
+      what="the KL reference policy", when="the policy at RL step 0")
+
+
+def frozen_params(workdir: str, name: str, params: Any, abstract_params: Any, *,
+                  missing: str, what: str, when: str) -> Any:
+  """Parameters a run saves once under ``workdir/name`` (with their digests)
+  and reads back on resume: saved from ``params`` when given and not yet
+  saved, else restored onto ``abstract_params``' shardings and verified.
+  ``missing``, ``what`` and ``when`` word the errors."""
+  path = paths.path(workdir) / name
+  digest_path = paths.path(workdir) / f"{name}_digest.json"
   checkpointer = ocp.StandardCheckpointer()
   try:
     if params is not None and not path.exists():
@@ -307,9 +320,7 @@ def reference_params(workdir: str, params: Any, abstract_params: Any) -> Any:
         paths.write_json(digest_path, table)
       return jax.tree.map(lambda x: x.copy(), params)
     if not path.exists():
-      raise FileNotFoundError(
-          f"{path} not found: this run was started without a KL reference "
-          "(loss.kl_coef=0); resume it with loss.kl_coef=0 or start anew")
+      raise FileNotFoundError(f"{path} not found: {missing}")
     restored = checkpointer.restore(path, abstract_params)
   finally:
     checkpointer.close()
@@ -318,6 +329,6 @@ def reference_params(workdir: str, params: Any, abstract_params: Any) -> Any:
       table, paths.read_json(digest_path))) or digest_lib.nonfinite(table))
   if problem:
     raise NoIntactCheckpoint(
-        f"the KL reference policy under {path} is damaged ({problem}); it "
-        "is the policy at RL step 0: start the run anew in a new --workdir")
+        f"{what} under {path} is damaged ({problem}); it is {when}: start "
+        "the run anew in a new --workdir")
   return restored

@@ -48,8 +48,14 @@ def make_mesh(mesh: schema.Mesh, devices=None) -> jax.sharding.Mesh:
 
 def runtime_fields(config: schema.RunConfig) -> dict:
   """The ``model`` section's fields a checkpoint does not decide."""
-  return {k: v for k, v in dataclasses.asdict(config.model).items()
+  return {k: v for k, v in _model_fields(config).items()
           if k not in ARCHITECTURE_FIELDS}
+
+
+def _model_fields(config: schema.RunConfig) -> dict:
+  """The ``model`` section's ModelConfig fields (``model.lora`` is the
+  adapters', ``ba_jax.policy.lora``)."""
+  return {k: v for k, v in dataclasses.asdict(config.model).items() if k != "lora"}
 
 
 def build_model_config(config: schema.RunConfig, tokenizer=None, *,
@@ -62,7 +68,7 @@ def build_model_config(config: schema.RunConfig, tokenizer=None, *,
   an architecture field among them that the checkpoint contradicts is an
   error, the config file's own values simply give way.
   """
-  fields = dataclasses.asdict(config.model)
+  fields = _model_fields(config)
   if config.init_from and (tokenizer is not None or (
       paths.path(config.init_from) / "config.json").is_file()):
     model_config = model_lib.ModelConfig.from_hf_dict(

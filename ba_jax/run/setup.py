@@ -21,6 +21,7 @@ from flax import nnx
 
 from ba_jax.config import schema
 from ba_jax.policy import hf
+from ba_jax.policy import lora as lora_lib
 from ba_jax.policy import model as model_lib
 from ba_jax.policy import sharding as sharding_lib
 from ba_jax.run import checkpointing, paths, rollout
@@ -42,11 +43,17 @@ class Setup:
   rollout_cfg: rollout.RolloutConfig
   tokenizer: object  # None when built abstract
   model_config: model_lib.ModelConfig
-  graphdef: object
+  graphdef: object  # the policy's (with LoRA adapters when model.lora.rank > 0)
   abstract_params: object
   tx: object  # the RL optimizer (optax)
   state_sharding: object
+  base_graphdef: object = None  # the policy without adapters (= graphdef without LoRA)
   _task: object = None
+
+  @property
+  def lora(self) -> bool:
+    """True when the policy trains LoRA adapters on a frozen base."""
+    return lora_lib.enabled(self.cfg.model.lora)
 
   @property
   def batch_shards(self) -> int:
@@ -101,12 +108,46 @@ def make_setup(config, *, abstract: bool = False, devices=None,
         mesh=mesh, rules=rules))
     rl = cfg.rl
     tx = ts.optimizer(cfg.optim, rl.steps * rl.ppo_epochs * rl.num_minibatches)
-  graphdef, abstract_params = nnx.split(nnx.eval_shape(
-      lambda: model_lib.Decoder(model_config, rngs=nnx.Rngs(config.seed))))
+    base = lambda: model_lib.Decoder(model_config, rngs=nnx.Rngs(config.seed))
+    base_graphdef = nnx.split(nnx.eval_shape(base))[0]
+    graphdef, abstract_params = nnx.split(nnx.eval_shape(
+        lambda: _adapted(base(), cfg)))
   shapes = jax.eval_shape(lambda p: ts.create_state(p, tx), abstract_params)
   state_sharding = ts.tree_shardings(shapes, mesh, rules)
   return Setup(config, cfg, mesh, rules, step_cfg, rollout_cfg, tokenizer,
-               model_config, graphdef, abstract_params, tx, state_sharding)
+               model_config, graphdef, abstract_params, tx, state_sharding,
+               base_graphdef)
+
+
+def _adapted(model, cfg: schema.RunConfig):
+  """``model`` with the config's LoRA adapters (unchanged without)."""
+  if not lora_lib.enabled(cfg.model.lora):
+    return model
+  return lora_lib.apply(model, cfg.model.lora, seed=cfg.seed)
+
+
+def with_adapters(setup: Setup, base_params):
+  """The policy's state from its base weights: fresh LoRA adapters (``B``
+  zero, so the policy equals its base) added when the run has them."""
+  if not setup.lora:
+    return base_params
+  return nnx.state(_adapted(nnx.merge(setup.base_graphdef, base_params),
+                            setup.cfg))
+
+
+def saved_state(setup: Setup, state):
+  """What a checkpoint holds of ``state``: all of it, or with LoRA only
+  the adapters of its params (the base is ``base_params``')."""
+  if not setup.lora:
+    return state
+  return state.replace(params=lora_lib.split(state.params)[0])
+
+
+def full_state(setup: Setup, saved, base_params):
+  """``saved_state``'s inverse: a restored checkpoint onto the base."""
+  if not setup.lora:
+    return saved
+  return saved.replace(params=lora_lib.join(saved.params, base_params))
 
 
 def abstract_state(setup: Setup):
@@ -116,9 +157,31 @@ def abstract_state(setup: Setup):
   return checkpointing.abstract_like(shapes, setup.state_sharding)
 
 
+def abstract_saved_state(setup: Setup):
+  """``abstract_state`` as a checkpoint holds it (``saved_state``)."""
+  return saved_state(setup, abstract_state(setup))
+
+
+def base_params(setup: Setup, workdir: str, params=None):
+  """A LoRA run's frozen base weights. On a fresh run (``params``: the
+  base after init and warm-up) they are saved once to ``workdir/lora_base``
+  unless they are ``init_from``'s own (no warm-up), which is read again on
+  resume; the checkpoints hold only the adapters."""
+  c = setup.cfg
+  if c.init_from and not c.sft.steps:
+    return params if params is not None else init_params(setup)
+  abstract = lora_lib.split(abstract_state(setup).params)[1]
+  return checkpointing.frozen_params(
+      workdir, "lora_base", params, abstract,
+      missing="a LoRA run saves its base weights there when it starts from "
+              "a random model or a warm-up; start the run anew",
+      what="the LoRA run's base weights", when="the policy before RL")
+
+
 def init_params(setup: Setup):
   """Random init (or ``init_from``'s weights in ``model.param_dtype``),
-  materialised directly sharded."""
+  materialised directly sharded; without LoRA adapters
+  (``with_adapters``)."""
   c, mc = setup.cfg, setup.model_config
   if c.init_from:
     # Every runtime field as the run resolved it (the model config, not the

@@ -34,7 +34,10 @@ from ba_jax.run import tracking
 from ba_jax.update import sft
 from ba_jax.update import train_step as ts
 from ba_jax.run.model_setup import ARCHITECTURE_FIELDS
-from ba_jax.run.setup import Setup, abstract_state, init_params, make_setup, to_device
+from ba_jax.policy import lora as lora_lib
+from ba_jax.run.setup import (Setup, abstract_saved_state, abstract_state, base_params,
+                              full_state, init_params, make_setup, saved_state, to_device,
+                              with_adapters)
 from ba_jax.run.workdir import write_run_files
 from ba_jax.policy.scoring import score_responses
 
@@ -157,7 +160,9 @@ def run(config, workdir: str, *, explicit: Collection[str] = (),
         log("resuming with a changed config (recorded in "
             f"{resume.CHANGES_FILE}): " + ", ".join(changes))
       latest, state, meta = ckpt.restore_intact(
-          abstract_state(setup), warn=log, set_aside=True)
+          abstract_saved_state(setup), warn=log, set_aside=True)
+      if setup.lora:
+        state = full_state(setup, state, base_params(setup, workdir))
       if main:
         r.logged_until = resume.last_logged_step(workdir)
         resume.drop_replayed_rows(workdir, latest)
@@ -188,7 +193,7 @@ def _start(r: _Run):
   if c.sft.steps:
     r.log(f"supervised warm-up: {c.sft.steps} steps of {c.sft.batch_size}")
     for _, params in sft.warmup(
-        params, setup.graphdef, setup.task, steps=c.sft.steps,
+        params, setup.base_graphdef, setup.task, steps=c.sft.steps,
         batch_size=c.sft.batch_size, learning_rate=c.sft.learning_rate,
         warmup_steps=c.sft.warmup_steps, max_new_tokens=c.rl.max_new_tokens,
         to_device=r.to_device, mesh=setup.mesh, rules=setup.rules,
@@ -196,6 +201,14 @@ def _start(r: _Run):
       if r.stop_reason() is not None:
         r.log("SIGTERM during the warm-up: exiting; it reruns on restart")
         return None, None
+  if setup.lora:
+    base = base_params(setup, r.workdir, params)
+    params = with_adapters(setup, base)
+    lora = c.model.lora
+    r.log(f"LoRA: rank {lora.rank}, alpha {lora.alpha} on "
+          f"{'/'.join(lora_lib.adapted_modules(lora.module_path))}; "
+          f"{_count(lora_lib.split(params)[0]):,} trainable of "
+          f"{_count(params):,} parameters")
   before = evaluate(setup, params, jax.random.fold_in(r.base_key, EVAL_KEY),
                     workdir=r.workdir, step=0)
   r.log(f"held-out accuracy on {len(setup.task.heldout)} problems "
@@ -206,8 +219,12 @@ def _start(r: _Run):
                   out_shardings=setup.state_sharding)(params)
   meta = dict(data_position=0, before_rl=before,
               rng_key=np.asarray(jax.random.key_data(r.base_key)).tolist())
-  r.ckpt.save(0, state, meta)
+  r.ckpt.save(0, saved_state(setup, state), meta)
   return state, dict(meta, fresh=True)
+
+
+def _count(params) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
 
 def _fmt(acc: dict) -> str:
@@ -228,7 +245,12 @@ def _loop(r: _Run, state, meta) -> dict:
   score = jax.jit(lambda p, b: score_logp(p, b, graphdef=setup.graphdef,
                                           temperature=rl.temperature))
   ref_params = None
-  if c.loss.kl_coef > 0:  # the policy at RL step 0 is the reference
+  if c.loss.kl_coef > 0 and setup.lora:
+    # The reference is the base: the same weights with the adapters off.
+    score_ref = jax.jit(lambda p, b: score_logp(
+        lora_lib.adapters_off(p), b, graphdef=setup.graphdef,
+        temperature=rl.temperature))
+  elif c.loss.kl_coef > 0:  # the policy at RL step 0 is the reference
     ref_params = checkpointing.reference_params(
         r.workdir, state.params if meta.get("fresh") else None,
         abstract_state(setup).params)
@@ -241,7 +263,7 @@ def _loop(r: _Run, state, meta) -> dict:
   if start == 0:
     logger.write_eval(0, meta["before_rl"])
   meta = {k: v for k, v in meta.items() if k != "fresh"}
-  save = lambda step: r.ckpt.save(step, state, dict(
+  save = lambda step: r.ckpt.save(step, saved_state(setup, state), dict(
       meta, data_position=position))
   reason, step = None, start
   while step < rl.steps and reason is None:
@@ -261,6 +283,8 @@ def _loop(r: _Run, state, meta) -> dict:
       batch["old_logp"] = score(state.params, batch)
     if ref_params is not None:
       batch["ref_logp"] = score(ref_params, batch)
+    elif c.loss.kl_coef > 0:
+      batch["ref_logp"] = score_ref(state.params, batch)
     state, device_metrics = step_fn(state, batch)
     # Wait for the update so that time_training is the update's own time.
     jax.block_until_ready(state.step)

@@ -11,7 +11,7 @@ from ba_jax.policy import model as model_lib
 from ba_jax.run import checkpointing, paths
 from ba_jax.config import schema
 from ba_jax.run.model_setup import runtime_fields
-from ba_jax.run.setup import Setup, abstract_state, make_setup
+from ba_jax.run.setup import Setup, abstract_saved_state, base_params, full_state, make_setup
 
 
 def write_run_files(workdir: str, setup: Setup) -> None:
@@ -52,7 +52,9 @@ def restore_policy(workdir: str, step: int | None = None, *, mesh_shape=None,
   ``NoIntactCheckpoint`` when it does not verify), onto a mesh of this
   machine's devices (``mesh_shape``, default the run's own, e.g.
   {"data": -1, ...}), whatever mesh it was saved from. Needs only the
-  workdir (not init_from).
+  workdir (not init_from), except for a LoRA run started from init_from
+  without a warm-up: its checkpoints hold the adapters, restored onto
+  init_from's weights. The model has the adapters (``ba_jax.policy.lora``).
   """
   config = load_run_config(workdir)
   if mesh_shape is not None:
@@ -65,16 +67,18 @@ def restore_policy(workdir: str, step: int | None = None, *, mesh_shape=None,
                                     async_save=False)
   try:
     if step is None:
-      _, state, _ = ckpt.restore_intact(abstract_state(setup), warn=warn)
+      _, state, _ = ckpt.restore_intact(abstract_saved_state(setup), warn=warn)
     else:
       try:
-        state, _ = ckpt.restore(abstract_state(setup), step)
+        state, _ = ckpt.restore(abstract_saved_state(setup), step)
       except checkpointing.DamagedStep as e:
         raise checkpointing.NoIntactCheckpoint(
             f"checkpoint step {step} under {ckpt.directory} is damaged "
             f"({e})") from None
   finally:
     ckpt.close()
+  if setup.lora:
+    state = full_state(setup, state, base_params(setup, workdir))
   model = nnx.merge(setup.graphdef, state.params)
   tok_dir = paths.path(workdir) / "tokenizer"
   tokenizer = None

@@ -172,6 +172,9 @@ def dry_run(config, *, devices=None, sample: bool = True,
                                             * rl.num_microbatches)),
       "model": dict(model_type=model_config.model_type,
                     params=counts["total"], matmul_params=counts["matmul"],
+                    trainable=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
+                        ts.trainable(setup.abstract_params)[0])),
+                    lora_rank=setup.cfg.model.lora.rank,
                     remat=model_config.remat, dtype=model_config.dtype,
                     param_dtype=model_config.param_dtype),
       "analytic_flops": flops_lib.analytic_flops(

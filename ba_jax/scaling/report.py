@@ -41,6 +41,10 @@ def format_report(report: dict) -> str:
       f"mini-batches x {s['num_microbatches']} micro-batches of "
       f"{s['micro_batch_rows']} rows",
   ]
+  if m.get("lora_rank"):
+    lines.append(f"LoRA: rank {m['lora_rank']} adapters, {_count(m['trainable'])} trainable "
+                 f"parameters ({100 * m['trainable'] / m['params']:.2f}% of all); the "
+                 "optimizer state holds only them")
   lines += [f"note: {n}" for n in report["notes"]]
   programs = [p for p in PROGRAMS if p in report]
   lines.append("")

@@ -27,6 +27,7 @@ from ba_jax.config import schema
 from ba_jax.loss import aggregation as agg
 from ba_jax.loss import losses
 from ba_jax.update import microbatch
+from ba_jax.policy import lora as lora_lib
 from ba_jax.policy import sharding as sharding_lib
 from ba_jax.policy.scoring import score_responses
 
@@ -38,8 +39,8 @@ BATCH_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
 class TrainState:
   """What the update carries from step to step (and what is checkpointed)."""
   step: jax.Array  # int32 scalar: updates applied so far (RL steps)
-  params: Any  # nnx.State of the policy's nnx.Param variables
-  opt_state: Any  # optax state for params
+  params: Any  # nnx.State of the policy's nnx.Param variables (LoRA adapters included)
+  opt_state: Any  # optax state of the trainable part of params (``trainable``)
   nonfinite: jax.Array  # int32 scalar: skipped mini-batch updates in total
 
 
@@ -126,9 +127,23 @@ def tree_shardings(tree: Any, mesh, rules) -> Any:
   return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def trainable(params) -> tuple[Any, Any]:
+  """``(trainable, frozen)`` parts of the policy's state: its LoRA adapters
+  and the base weights when it has adapters (``ba_jax.policy.lora``), else
+  every parameter and None."""
+  if lora_lib.is_adapted(params):
+    return lora_lib.split(params)
+  return params, None
+
+
+def _join(train, frozen):
+  return train if frozen is None else lora_lib.join(train, frozen)
+
+
 def create_state(params, tx: optax.GradientTransformation) -> TrainState:
+  """Step 0; the optimizer holds state for the trainable part only."""
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=tx.init(params),
+                    opt_state=tx.init(trainable(params)[0]),
                     nonfinite=jnp.zeros((), jnp.int32))
 
 
@@ -157,15 +172,17 @@ def _update(state: TrainState, mini: dict, *, graphdef, tx, cfg: StepConfig):
       group_size=cfg.group_size, reg_aggregation=cfg.reg_aggregation,
       max_response_len=cfg.max_response_len,
       ba_denominator=cfg.ba_denominator, ba_scope=cfg.ba_scope))
-  loss_fn = functools.partial(_loss_fn, graphdef=graphdef, cfg=cfg)
+  # Gradients and updates of the trainable part only (LoRA: the adapters).
+  train, frozen = trainable(state.params)
+  loss_fn = lambda p, micro: _loss_fn(_join(p, frozen), micro, graphdef=graphdef, cfg=cfg)
   loss, grads, metrics = microbatch.accumulate_gradients(
-      loss_fn, state.params, mini, num_micro_batches=cfg.num_microbatches)
+      loss_fn, train, mini, num_micro_batches=cfg.num_microbatches)
   grad_norm = optax.global_norm(grads)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  updates, opt_state = tx.update(grads, state.opt_state, train)
   update_norm = optax.global_norm(updates)
   finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             & jnp.isfinite(update_norm))
-  params = optax.apply_updates(state.params, updates)
+  params = _join(optax.apply_updates(train, updates), frozen)
   keep = lambda new, old: jax.tree.map(
       lambda n, o: jnp.where(finite, n, o), new, old)
   metrics = dict(metrics, loss=loss, grad_norm=grad_norm,
@@ -230,7 +247,7 @@ def _train_step(state: TrainState, batch: dict, *, graphdef, tx, cfg: StepConfig
   # mini-batch's weights sum to at most 1, so the batch's are their mean).
   out["w_pos"] = jnp.mean(stacked["w_pos"][0])
   out["w_neg"] = jnp.mean(stacked["w_neg"][0])
-  out["param_norm"] = optax.global_norm(state.params)
+  out["param_norm"] = optax.global_norm(trainable(state.params)[0])  # LoRA: the adapters' norm
   return state.replace(step=state.step + 1), out
 
 
