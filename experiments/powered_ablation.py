@@ -24,7 +24,8 @@ resumes: a run whose ``summary.json`` exists is not rerun):
    confirmation seeds (0, 1, ...; disjoint from the tuning seeds) at the
    rule's chosen rate (arm ``tuned``) and at the common rate (arm
    ``common``; a run both arms need runs once).
-4. ``report``: ``REPORT.md`` and ``results.jsonl`` (experiments/powered_report.py).
+4. ``report``: ``REPORT.md`` (tables and tests) and ``curves_<arm>_<cell>.png``
+   (experiments/powered_report.py) from ``results.jsonl``.
 
 Every run of a seed starts RL from that seed's one supervised warm-up
 (common random numbers: the warm-up does not depend on the rule or the
@@ -330,6 +331,7 @@ def report(args) -> str:
   rows = _read_rows(args.outdir / "results.jsonl")
   text = powered_report.report_md(plan, rows, _read_rows(args.outdir / "tuning.jsonl"))
   (args.outdir / "REPORT.md").write_text(text)
+  powered_report.plot(plan, rows, args.outdir)
   return text
 
 

@@ -234,3 +234,39 @@ def report_md(plan: dict, rows: list[dict], tuning_rows: list[dict]) -> str:
           lines.append(f"| {arm} | {g} | {a} - {b} | "
                        f"{_f(noise / var if var > 0 else float('nan'), '.2f')} |")
   return "\n".join(lines) + "\n"
+
+
+CURVES = (("reward_mean", "training reward"), ("entropy", "policy entropy"),
+          ("length_mean", "response length"))
+
+
+def plot(plan: dict, rows: list[dict], outdir) -> list:
+  """``curves_<arm>_<cell>.png``: the mean over seeds of each rule's
+  training reward, entropy and length per RL step."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  paths = []
+  for arm in ("tuned", "common"):
+    for g in plan["gaps"]:
+      fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 3.6))
+      for ax, (name, title) in zip(axes, CURVES):
+        for mode in plan["modes"]:
+          curves = [r["curves"][name] for r in rows
+                    if (r.get("arm"), r["gap"], r["mode"]) == (arm, g, mode)]
+          if not curves:
+            continue
+          steps = min(len(c) for c in curves)
+          v = np.array([[np.nan if x is None else x for x in c[:steps]] for c in curves])
+          if steps and not np.isnan(v).all():
+            ax.plot(np.arange(1, steps + 1), np.nanmean(v, axis=0), label=mode,
+                    marker="." if steps < 12 else None)
+        ax.set_title(f"{title} ({g} gap, {arm} arm)")
+        ax.set_xlabel("RL step")
+      axes[0].legend()
+      fig.tight_layout()
+      path = outdir / f"curves_{arm}_{g}.png"
+      fig.savefig(path, dpi=90)
+      plt.close(fig)
+      paths.append(path)
+  return paths

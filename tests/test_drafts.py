@@ -196,8 +196,9 @@ def test_task_interface_and_config_variants():
 
 @pytest.mark.slow
 def test_length_control_on_a_tiny_warmed_up_policy():
-  """A tiny policy warmed up for a few hundred steps keeps the length knobs
-  on its own samples: the spread, and the gap's sign under each rule."""
+  """A tiny policy warmed up for 300 steps keeps the length knobs on its own
+  samples: the spread, and the gap's sign under each rule (its answers are
+  right ~8% of the time, enough for a fifth of the groups to be mixed)."""
   import pathlib
   import sys
   import jax
@@ -233,7 +234,7 @@ def test_length_control_on_a_tiny_warmed_up_policy():
       [drafts.grade(t, p, rule) > 0 for t, p in zip(texts, problems)]).reshape(-1, 8))
       for rule in ("max_drafts:2", "answer", "min_drafts:2")}
   assert stats["answer"]["length_cv_in_group"] >= 0.5, stats
-  assert stats["answer"]["accuracy"] > 0.1, stats
+  assert min(s["groups_mixed_frac"] for s in stats.values()) >= 0.2, stats
   assert stats["min_drafts:2"]["length_gap_in_group_rel"] >= 0.3, stats
   assert stats["max_drafts:2"]["length_gap_in_group_rel"] <= -0.3, stats
   assert abs(stats["answer"]["length_gap_in_group_rel"]) < 0.3, stats

@@ -142,6 +142,7 @@ def test_protocol_with_scripted_runs(tmp_path, monkeypatch):
   assert f"{t['mean']:+.3f} [{t['low']:+.3f}, {t['high']:+.3f}]" in report
   assert "CONTROL FIRED" not in report.split("## Arm `common`")[0]
   assert "noise share" in report
+  assert (tmp_path / "curves_tuned_pos.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow
