@@ -1,8 +1,10 @@
 """The powered aggregation ablation on the drafts task (configs/drafts.py):
 tune each rule's learning rate, pre-register, then confirm on fresh seeds.
 
-    python experiments/powered_ablation.py --outdir=experiments/results/powered
-    python experiments/powered_ablation.py --dry --outdir=/tmp/powered_dry   # seconds-scale
+    PYTHONPATH=. python experiments/powered_ablation.py --outdir=experiments/results/powered
+    PYTHONPATH=. python experiments/powered_ablation.py --dry --outdir=/tmp/powered_dry
+
+Run it from the repository root (the configs' paths are relative to it).
 
 Stages (``--stage``, default ``all``, which runs them in order; every stage
 resumes: a run whose ``summary.json`` exists is not rerun):
@@ -37,8 +39,8 @@ cells x 4 rules x 3 rates x 3 tuning seeds = 72 runs, then 20 confirmation
 seeds x 4 rules x 2 arms, 240-280 runs, and 23 warm-ups) is projected at
 83-128 minutes, ~100 at the measured times (``projected_seconds``;
 experiments/results/powered_timing.md). ``--dry`` runs every stage on a toy
-policy (about 3 minutes with all four rules and two rates: each (rule, rate)
-compiles its own train step).
+policy (3 minutes from a cold compilation cache with all four rules and two
+rates, each (rule, rate) compiling its own train step; less when warm).
 """
 from __future__ import annotations
 
