@@ -207,6 +207,7 @@ def summarise(workdir: pathlib.Path, key: dict) -> dict:
       heldout_before=summary["before_rl"]["heldout_acc_sampled"],
       heldout_after=summary["after_rl"]["heldout_acc_sampled"],
       heldout_samples=config["eval"]["num_problems"] * config["eval"]["samples_per_problem"],
+      reward_samples=len(records) * config["rl"]["prompts_per_step"] * config["rl"]["group_size"],
       groups_mixed_frac=_mean(series("groups_mixed_frac")),
       pos_share_minus_frac=_mean(share_minus_frac),
       pos_frac=_mean(series("pos_frac")),

@@ -207,21 +207,27 @@ def report_md(plan: dict, rows: list[dict], tuning_rows: list[dict]) -> str:
                    else "; exploratory, unadjusted:"), ""]
       lines += _tests_table(plan, rows, arm, outcome, confirmatory)
     lines.append("")
-  lines += ["## How much of the held-out spread is evaluation noise", "",
-            "Binomial variance of a run's held-out accuracy (p(1-p)/samples, "
-            "samples = problems x samples per problem; responses to one "
-            "problem are correlated, so this is a lower bound) over the "
-            "variance across seeds, per rule, and for the paired differences "
-            "of the named comparisons (the sum of both runs' binomial "
-            "variances over the variance of d).", "",
-            "| arm | cell | rule or comparison | noise share |", "|---|---|---|---:|"]
+  lines += ["## How much of the seed-to-seed spread is sampling noise", "",
+            "Binomial variance of a run's accuracy (p(1-p)/samples; held out: "
+            "problems x samples per problem, whose responses to one problem "
+            "are correlated, so this is a lower bound; training reward: every "
+            "graded rollout of the run) over the variance across seeds, per "
+            "rule; and for the held-out paired differences of the named "
+            "comparisons (the sum of both runs' binomial variances over the "
+            "variance of d).", "",
+            "| arm | cell | rule or comparison | held-out noise share "
+            "| training-reward noise share |", "|---|---|---|---:|---:|"]
   for arm in ("tuned", "common"):
     for g in plan["gaps"]:
       for mode in plan["modes"]:
         rs = [r for r in rows if (r.get("arm"), r["gap"], r["mode"]) == (arm, g, mode)]
         if len(rs) > 1:
-          s = st.sampling_noise_share([r["heldout_after"] for r in rs], rs[0]["heldout_samples"])
-          lines.append(f"| {arm} | {g} | {mode} | {_f(s['share'], '.2f')} |")
+          held = st.sampling_noise_share([r["heldout_after"] for r in rs],
+                                         rs[0]["heldout_samples"])
+          reward = st.sampling_noise_share([r["reward_auc"] for r in rs],
+                                           rs[0].get("reward_samples", math.nan))
+          lines.append(f"| {arm} | {g} | {mode} | {_f(held['share'], '.2f')} | "
+                       f"{_f(reward['share'], '.2f')} |")
       by = {(r["mode"], r["seed"]): r for r in rows if (r.get("arm"), r["gap"]) == (arm, g)}
       for a, b, _ in plan["comparisons"]:
         pairs = [(by[(a, s)], by[(b, s)]) for s in plan["confirm_seeds"]
@@ -232,7 +238,7 @@ def report_md(plan: dict, rows: list[dict], tuning_rows: list[dict]) -> str:
                                r["heldout_samples"] for r in pair) for pair in pairs])
           var = d.var(ddof=1)
           lines.append(f"| {arm} | {g} | {a} - {b} | "
-                       f"{_f(noise / var if var > 0 else float('nan'), '.2f')} |")
+                       f"{_f(noise / var if var > 0 else float('nan'), '.2f')} | |")
   return "\n".join(lines) + "\n"
 
 

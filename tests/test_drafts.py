@@ -85,7 +85,6 @@ def test_the_generator_config_is_the_schema_section():
   assert {f.name: getattr(c, f.name) for f in dataclasses.fields(c)} == dict(
       defaults, rule="min_drafts:2")
   assert drafts.config_from(c) is c
-  assert drafts.with_rule(c, "max_drafts:2").rule == "max_drafts:2"
 
 
 def test_warmup_traces_parse_back_and_grade_as_labelled():

@@ -72,7 +72,8 @@ class ScriptedRunner:
     (workdir / "summary.json").write_text(json.dumps(dict(
         before_rl=dict(heldout_acc_sampled=0.2), after_rl=dict(heldout_acc_sampled=r))))
     (workdir / "config.json").write_text(json.dumps(dict(
-        eval=dict(num_problems=64, samples_per_problem=16))))
+        eval=dict(num_problems=64, samples_per_problem=16),
+        rl=dict(prompts_per_step=8, group_size=8))))
 
   def export(self, workdir, out):
     out.mkdir(parents=True, exist_ok=True)

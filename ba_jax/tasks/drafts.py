@@ -39,7 +39,6 @@ seeding and tokenizer are the addition task's.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Sequence
 
@@ -207,7 +206,3 @@ class DraftsTask(synthetic.SyntheticTask):
                         for t, p in zip(texts, problems)], bool)
     return correct.astype(np.float32), correct
 
-
-def with_rule(cfg: schema.DraftsTask, rule: str) -> schema.DraftsTask:
-  """``cfg`` under another verifier rule (checked)."""
-  return config_from(dataclasses.replace(cfg, rule=rule))
