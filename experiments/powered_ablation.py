@@ -34,10 +34,10 @@ Every run of a seed starts RL from that seed's one supervised warm-up
 gap), with that seed.
 
 Time on a 2-core CPU with ``--parallel=2`` (one core per run): a warm-up
-took 124-176 s and an RL run 23 s (32 s compiling), so the default grid (2
-cells x 4 rules x 3 rates x 3 tuning seeds = 72 runs, then 20 confirmation
-seeds x 4 rules x 2 arms, 240-280 runs, and 23 warm-ups) is projected at
-83-128 minutes, ~100 at the measured times (``projected_seconds``;
+took 124-190 s and an RL run 20-32 s (up to 55 s compiling), so the default
+grid (2 cells x 4 rules x 3 rates x 3 tuning seeds = 72 runs, then 20
+confirmation seeds x 4 rules x 2 arms, 240-280 runs, and 23 warm-ups) is
+projected at 99-130 minutes (``projected_seconds``;
 experiments/results/powered_timing.md). ``--dry`` runs every stage on a toy
 policy (3 minutes from a cold compilation cache with all four rules and two
 rates, each (rule, rate) compiling its own train step; less when warm).
