@@ -149,10 +149,17 @@ def rl_run(job, init_dir: pathlib.Path, args, runner: Runner) -> dict:
   workdir = args.outdir / "runs" / run_name(*job)
   if not (workdir / "summary.json").exists():
     t0 = time.perf_counter()
-    runner.train(_variant(f"gap={gap},agg={mode},lr={lr!r},steps={args.steps}",
-                          args.variant), workdir, [
-        f"--config.seed={seed}", f"--config.init_from={init_dir}",
-        "--config.sft.steps=0", *args.override])
+    try:
+      runner.train(_variant(f"gap={gap},agg={mode},lr={lr!r},steps={args.steps}",
+                            args.variant), workdir, [
+          f"--config.seed={seed}", f"--config.init_from={init_dir}",
+          "--config.sft.steps=0", *args.override])
+    except RuntimeError:
+      # A run the non-finite guard stopped still wrote its summary: at a rate
+      # too large for a rule that is a result (a poor one), not a crash.
+      if not (workdir / "summary.json").exists():
+        raise
+      print(f"{workdir.name}: stopped early (non-finite updates); kept", flush=True)
     (workdir / "wall_s.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
     print(f"[{time.strftime('%H:%M:%S')}] done {workdir.name}", flush=True)
   return summarise(workdir, dict(gap=gap, mode=mode, lr=lr, seed=seed))
@@ -187,8 +194,11 @@ def _drift(values, width: int = 5) -> float:
   (fewer when the run is short, so that the two windows never overlap)."""
   v = np.array([np.nan if x is None else x for x in values], float)
   width = max(1, min(width, len(v) // 2))
-  start, end = np.nanmean(v[:width]), np.nanmean(v[-width:])
-  return float(end / start) if start and np.isfinite(start) else float("nan")
+  first, last = v[:width], v[-width:]
+  if not (np.isfinite(first).any() and np.isfinite(last).any()):
+    return float("nan")
+  start, end = np.nanmean(first), np.nanmean(last)
+  return float(end / start) if start else float("nan")
 
 
 def summarise(workdir: pathlib.Path, key: dict) -> dict:
@@ -197,15 +207,20 @@ def summarise(workdir: pathlib.Path, key: dict) -> dict:
   summary = json.loads((workdir / "summary.json").read_text())
   config = json.loads((workdir / "config.json").read_text())
   series = lambda name: [r.get(name) for r in records]
+  # A run the non-finite guard stopped has no final evaluation: its missing
+  # steps' reward and its held-out accuracy count as 0 (a broken policy).
+  stopped = "after_rl" not in summary
+  rewards = [x for x in series("reward_mean") if x is not None]
+  planned = max(config["rl"]["steps"], len(rewards)) if stopped else len(rewards)
   share_minus_frac = [s - f for s, f in zip(series("w_pos_share"), series("pos_frac"))
                       if s is not None and f is not None]
   wall = workdir / "wall_s.txt"
   return dict(
-      key, steps=len(records),
+      key, steps=len(records), stopped_nonfinite=stopped,
       wall_s=float(wall.read_text()) if wall.exists() else None,
-      reward_auc=_mean(series("reward_mean")),
+      reward_auc=float(np.sum(rewards) / planned) if planned else float("nan"),
       heldout_before=summary["before_rl"]["heldout_acc_sampled"],
-      heldout_after=summary["after_rl"]["heldout_acc_sampled"],
+      heldout_after=0.0 if stopped else summary["after_rl"]["heldout_acc_sampled"],
       heldout_samples=config["eval"]["num_problems"] * config["eval"]["samples_per_problem"],
       reward_samples=len(records) * config["rl"]["prompts_per_step"] * config["rl"]["group_size"],
       groups_mixed_frac=_mean(series("groups_mixed_frac")),
@@ -217,7 +232,7 @@ def summarise(workdir: pathlib.Path, key: dict) -> dict:
       length_cv=_mean(series("length_cv_in_group")),
       length_cv_first=_mean(series("length_cv_in_group")[:1]),
       length_gap_in_group_rel=_mean(series("length_gap_in_group_rel")),
-      stability=stability.report(records),
+      stability=dict(stability.report(records), **({"collapsed": True} if stopped else {})),
       curves={k: series(k) for k in ("reward_mean", "entropy", "length_mean")})
 
 

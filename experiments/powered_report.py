@@ -55,7 +55,9 @@ def predictions_md(plan: dict, tuning_rows: list[dict]) -> str:
       "(the drop-in replacement question; exploratory).", "",
       "## Outcomes", "",
       f"- **Primary**: `{p['primary'][0]}`, the {p['primary'][1]} (per run).",
-      f"- Secondary (exploratory): `{p['secondary'][0]}`, {p['secondary'][1]}.", "",
+      f"- Secondary (exploratory): `{p['secondary'][0]}`, {p['secondary'][1]}.",
+      "- A run that the non-finite guard stops counts 0 reward for its missing "
+      "steps and 0 held-out accuracy, and as unstable.", "",
       "## Rate choice (criterion fixed in the script before tuning)", "",
       "The rate with the highest mean primary outcome over the tuning seeds; "
       "ties (equal to 3 decimals) go to the lower rate.", "",

@@ -73,7 +73,7 @@ class ScriptedRunner:
         before_rl=dict(heldout_acc_sampled=0.2), after_rl=dict(heldout_acc_sampled=r))))
     (workdir / "config.json").write_text(json.dumps(dict(
         eval=dict(num_problems=64, samples_per_problem=16),
-        rl=dict(prompts_per_step=8, group_size=8))))
+        rl=dict(prompts_per_step=8, group_size=8, steps=2))))
 
   def export(self, workdir, out):
     out.mkdir(parents=True, exist_ok=True)
@@ -144,6 +144,20 @@ def test_protocol_with_scripted_runs(tmp_path, monkeypatch):
   assert "CONTROL FIRED" not in report.split("## Arm `common`")[0]
   assert "noise share" in report
   assert (tmp_path / "curves_tuned_pos.png").stat().st_size > 10_000
+
+
+def test_a_run_stopped_by_the_nonfinite_guard_scores_zero_for_what_is_missing(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text("".join(
+      json.dumps(dict(step=i, reward_mean=0.4)) + "\n" for i in (1, 2, 3)))
+  (tmp_path / "summary.json").write_text(json.dumps(dict(
+      step=3, stopped="nonfinite", before_rl=dict(heldout_acc_sampled=0.2))))
+  (tmp_path / "config.json").write_text(json.dumps(dict(
+      eval=dict(num_problems=4, samples_per_problem=2),
+      rl=dict(prompts_per_step=2, group_size=2, steps=12))))
+  row = pa.summarise(tmp_path, dict(mode="token"))
+  assert row["stopped_nonfinite"] and row["steps"] == 3
+  assert row["reward_auc"] == pytest.approx(0.4 * 3 / 12)
+  assert row["heldout_after"] == 0.0 and row["stability"]["collapsed"]
 
 
 @pytest.mark.slow
