@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {
     "tiny": ["", "smoke", "agg=token", "gap=-6"],
     "chains": ["", "smoke", "quick", "big", "spread=low,gap=neg", "lr=1e-3"],
+    "drafts": ["", "smoke", "gap=neg,agg=token", "gap=pos,lr=1e-3,steps=5"],
     "qwen25_math_7b_dapo17k": ["", "runlocal", "agg=sequence", "param_dtype=bfloat16"],
     "qwen3_1p7b_polaris": ["", "runlocal", "agg=dr_grpo"],
     "smollm2_reasoning_gym": ["", "runlocal", "agg=token"],

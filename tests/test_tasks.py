@@ -17,7 +17,7 @@ PROTOCOL = ("problems", "warmup_examples", "encode_prompts",
 
 def test_registry_holds_the_bundled_tasks():
   assert tasks.names() == ["dapo_math17k", "polaris", "reasoning_gym",
-                          "synthetic_chains", "synthetic_sum"]
+                          "synthetic_chains", "synthetic_drafts", "synthetic_sum"]
   assert tasks.task_class("synthetic_sum") is synthetic.SyntheticTask
   assert tasks.task_class("polaris") is dataset_task.DatasetTask
   for name in tasks.names():

@@ -323,6 +323,36 @@ class ChainsTask:
   max_prompt_len: int = key(8, "prompt tokens, padded (static shape)", check=at_least(1))
 
 
+DRAFTS_RULE = Check(
+    lambda x: isinstance(x, str) and (x == "answer" or (
+        x.partition(":")[0] in ("min_drafts", "max_drafts")
+        and x.partition(":")[2].isdigit() and int(x.partition(":")[2]) >= 1)),
+    "'answer', 'min_drafts:k' or 'max_drafts:k' with an integer k >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftsTask:
+  """The drafts task, whose length is chosen at every draft (``ba_jax.tasks.drafts``)."""
+  name: str = key("synthetic_drafts", "the task (a name in ba_jax.tasks.registry)")
+  min_terms: int = key(2, "fewest numbers in the prompt", check=at_least(2))
+  max_terms: int = key(3, "most numbers in the prompt", check=at_least(2))
+  max_value: int = key(5, "numbers are drawn from 1..max_value", check=between(1, 9))
+  scratch: str = key("digits", "checks after the answer draft: free numbers, or the running "
+                     "sums from their start", choices=("digits", "sums"))
+  max_offset: int = key(9, "a check starts at a digit drawn from 1..max_offset",
+                        check=between(1, 9))
+  continue_prob: float = key(0.6, "warm-up: after each draft, another one with this "
+                             "probability", check=between(0, 1, hi_open=True))
+  max_drafts: int = key(6, "most drafts in a warm-up trace (the answer and the checks)",
+                        check=at_least(1))
+  rule: str = key("answer", "answer | min_drafts:k | max_drafts:k (the verifier)",
+                  check=DRAFTS_RULE)
+  sft_correct_frac: float = key(0.5, "warm-up traces whose answer draft is right",
+                                check=between(0, 1))
+  grader: str = key("builtin", "the draft rules are this task's own", choices=("builtin",))
+  max_prompt_len: int = key(8, "prompt tokens, padded (static shape)", check=at_least(1))
+
+
 @dataclasses.dataclass(frozen=True)
 class MathDatasetTask:
   """Shared keys of the math dataset tasks (``ba_jax.tasks.dataset_task``)."""
@@ -378,8 +408,8 @@ class ReasoningGymTask:
 
 
 TASK_SECTIONS: dict[str, type] = {
-    cls().name: cls for cls in (SyntheticSumTask, ChainsTask, DapoMathTask,
-                                PolarisTask, ReasoningGymTask)}
+    cls().name: cls for cls in (SyntheticSumTask, ChainsTask, DraftsTask,
+                                DapoMathTask, PolarisTask, ReasoningGymTask)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,13 +24,14 @@ import numpy as np
 from ba_jax.config import schema
 from ba_jax.tasks import chains
 from ba_jax.tasks import dataset_task
+from ba_jax.tasks import drafts
 from ba_jax.tasks import reasoning_gym_task
 from ba_jax.tasks import synthetic
 
 
 class Task(Protocol):
   """What the trainer asks of a task (``synthetic.SyntheticTask``,
-  ``chains.ChainsTask``, ``dataset_task.DatasetTask`` and
+  ``chains.ChainsTask``, ``drafts.DraftsTask``, ``dataset_task.DatasetTask`` and
   ``reasoning_gym_task.ReasoningGymTask`` are the bundled ones). A task may
   also have ``answer_found(texts) -> bool [n]``, whether its answer rule
   found an answer in each response; the trainer then logs the share of
@@ -136,6 +137,7 @@ def make_task(task, eval, *, seed: int, tokenizer) -> Task:
 
 register(synthetic.SyntheticTask)
 register(chains.ChainsTask)
+register(drafts.DraftsTask)
 register(dataset_task.DatasetTask, "dapo_math17k", section=schema.DapoMathTask)
 register(dataset_task.DatasetTask, "polaris", section=schema.PolarisTask)
 register(reasoning_gym_task.ReasoningGymTask, reasoning_gym_task.NAME)
