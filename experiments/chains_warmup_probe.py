@@ -73,9 +73,11 @@ def main(argv=None):
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
   start = time.perf_counter()
-  params = sft.warmup(params, graphdef, task, steps=args.sft_steps, batch_size=args.batch_size,
-                      learning_rate=args.learning_rate, warmup_steps=20,
-                      max_new_tokens=max_new_tokens, to_device=lambda b: b)
+  for _, params in sft.warmup(params, graphdef, task, steps=args.sft_steps,
+                              batch_size=args.batch_size, learning_rate=args.learning_rate,
+                              warmup_steps=20, max_new_tokens=max_new_tokens,
+                              to_device=lambda b: b):
+    pass  # sft.warmup yields (steps done, params) after each update
   sft_s = time.perf_counter() - start
 
   policy = nnx.merge(graphdef, params)
