@@ -196,7 +196,7 @@ def peft_tensors(model: model_lib.Decoder) -> dict[str, np.ndarray]:
 
 def peft_config(model: model_lib.Decoder, lora, *, base_model: str = "") -> dict:
   """PEFT's ``adapter_config.json`` for ``peft_tensors(model)``."""
-  targets = sorted({name.split(".")[-3] for name in peft_tensors(model)})
+  targets = sorted(_names(model.layers))
   return {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
       "r": int(lora.rank), "lora_alpha": float(lora.alpha), "lora_dropout": float(lora.dropout),
