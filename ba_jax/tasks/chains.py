@@ -198,44 +198,13 @@ def config_from(task_cfg) -> ChainsConfig:
                          if hasattr(task_cfg, f.name)})
 
 
-class ChainsTask(synthetic.SyntheticTask):
-  """This task behind ``ba_jax.tasks.registry.Task``: prompts, encoding and decoding
-  are ``SyntheticTask``'s; the config, warm-up traces and grading are this
-  module's."""
+class ChainsTask(synthetic.RuleTask):
+  """This task behind ``ba_jax.tasks.registry.Task``: ``synthetic.RuleTask``
+  with this module's config, warm-up traces and grading."""
 
   name = NAME
   section = schema.ChainsTask  # the task section's keys
-  has_warmup = True
-
-  def __init__(self, task_cfg, *, seed: int, tokenizer, max_prompt_len: int,
-               num_heldout: int, grader: str = "builtin"):
-    if task_cfg.name != NAME:
-      raise ValueError(f"task.name={task_cfg.name!r}: expected {NAME!r}")
-    if grader != "builtin":
-      raise ValueError(f"task.grader={grader!r}: expected 'builtin' (the "
-                       "chain rules check more than ba_jax.tasks.rewards' answer)")
-    self.cfg = config_from(task_cfg)
-    self.seed, self.tokenizer, self.grader = seed, tokenizer, grader
-    self.max_prompt_len = max_prompt_len
-    self.heldout = synthetic.heldout_problems(self.cfg, num_heldout, seed)
-    self._exclude = frozenset(self.heldout)
-    self.pad_id = tokenizer.pad_token_id
-    self.eos_id = tokenizer.eos_token_id
-
-  @staticmethod
-  def max_warmup_response_tokens(task_cfg) -> int:
-    return max_response_tokens(config_from(task_cfg))
-
-  def problems(self, start: int, n: int, stream: int = 0) -> list[Problem]:
-    """Training problems ``start..start+n-1`` (stream 1: warm-up data)."""
-    return synthetic.train_problems(self.cfg, self.seed + 7919 * stream,
-                                    start, n, self._exclude)
-
-  def warmup_response(self, problem: Problem, rng: np.random.Generator) -> str:
-    return sft_response(problem, rng, self.cfg)[0]
-
-  def grade(self, texts, problems) -> tuple[np.ndarray, np.ndarray]:
-    """(rewards float32, correct bool) under ``task.rule``."""
-    correct = np.array([grade(t, p, self.cfg.rule) > 0
-                        for t, p in zip(texts, problems)], bool)
-    return correct.astype(np.float32), correct
+  config_from = staticmethod(config_from)
+  response_bound = staticmethod(max_response_tokens)
+  trace = staticmethod(sft_response)
+  grade_one = staticmethod(grade)

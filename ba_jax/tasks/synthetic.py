@@ -173,17 +173,26 @@ class SyntheticTask:
 
     def __init__(self, task_cfg, *, seed: int, tokenizer, max_prompt_len: int,
                  num_heldout: int, grader: str = "builtin"):
-        if grader not in ("builtin", "rewards"):
-            raise ValueError(
-                f"task.grader={grader!r}: expected 'builtin' or 'rewards' "
-                "(ba_jax.tasks.rewards.score_math, rule='answer')")
-        self.cfg = task_config(task_cfg)
+        self.check_grader(grader)
+        self.cfg = self.config_from(task_cfg)
         self.seed, self.tokenizer, self.grader = seed, tokenizer, grader
         self.max_prompt_len = max_prompt_len
         self.heldout = heldout_problems(self.cfg, num_heldout, seed)
         self._exclude = frozenset(self.heldout)
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
+
+    @staticmethod
+    def check_grader(grader: str) -> None:
+        if grader not in ("builtin", "rewards"):
+            raise ValueError(
+                f"task.grader={grader!r}: expected 'builtin' or 'rewards' "
+                "(ba_jax.tasks.rewards.score_math, rule='answer')")
+
+    @staticmethod
+    def config_from(task_cfg):
+        """The generator's settings from the config's ``task`` section."""
+        return task_config(task_cfg)
 
     @classmethod
     def from_section(cls, task, eval, *, seed: int, tokenizer) -> "SyntheticTask":
@@ -268,3 +277,47 @@ def task_config(task_cfg) -> TaskConfig:
     """The generator's fields of a config's ``task`` section."""
     return TaskConfig(**{f.name: getattr(task_cfg, f.name)
                          for f in dataclasses.fields(TaskConfig)})
+
+
+class RuleTask(SyntheticTask):
+    """A synthetic task graded by its own rule (``task.rule``) with its own
+    warm-up traces: ``chains.ChainsTask``, ``drafts.DraftsTask``. A subclass
+    sets ``name``, ``section`` and four functions of its module:
+    ``config_from(task_cfg)``, ``response_bound(cfg)`` (the longest warm-up
+    response, EOS included), ``trace(problem, rng, cfg) -> (text, correct)``
+    and ``grade_one(text, problem, rule) -> float``. Prompts, problems,
+    held-out split, encoding and decoding are the addition task's."""
+
+    config_from = response_bound = trace = grade_one = None  # a subclass's
+
+    def __init__(self, task_cfg, **kwargs):
+        name = getattr(task_cfg, "name", self.name)
+        if name != self.name:
+            raise ValueError(f"task.name={name!r}: expected {self.name!r}")
+        super().__init__(task_cfg, **kwargs)
+
+    def check_grader(self, grader: str) -> None:
+        if grader != "builtin":
+            raise ValueError(
+                f"task.grader={grader!r}: expected 'builtin' (task "
+                f"{self.name!r} grades by task.rule, which checks more than "
+                "the answer)")
+
+    @classmethod
+    def max_warmup_response_tokens(cls, task_cfg) -> int:
+        return cls.response_bound(cls.config_from(task_cfg))
+
+    def problems(self, start: int, n: int, stream: int = 0) -> list[Problem]:
+        """Training problems ``start..start+n-1`` (stream 1: warm-up data)."""
+        return train_problems(self.cfg, self.seed + 7919 * stream, start, n,
+                              self._exclude)
+
+    def warmup_response(self, problem: Problem,
+                        rng: np.random.Generator) -> str:
+        return self.trace(problem, rng, self.cfg)[0]
+
+    def grade(self, texts, problems) -> tuple[np.ndarray, np.ndarray]:
+        """(rewards float32, correct bool) under ``task.rule``."""
+        correct = np.array([self.grade_one(t, p, self.cfg.rule) > 0
+                            for t, p in zip(texts, problems)], bool)
+        return correct.astype(np.float32), correct
