@@ -166,22 +166,24 @@ def rl_run(job, init_dir: pathlib.Path, args, runner: Runner) -> dict:
 
 
 def run_jobs(jobs: list[tuple], args, runner: Runner) -> list[dict]:
-  """Warm-ups, then RL runs, seed by seed (a stopped grid leaves whole
-  seeds); finished runs are read back, not rerun."""
+  """Warm-ups, then each seed's RL runs as soon as its warm-up is done
+  (queued behind the warm-ups still waiting, so no core idles on one);
+  finished runs are read back, not rerun."""
   jobs = sorted(set(jobs), key=lambda j: (j[3], j))
+  key = (lambda seed: 0) if args.shared_warmup else (lambda seed: seed)
   if runner.inprocess:
-    inits = {s: warmup(s, args, runner) for s in sorted({j[3] for j in jobs})}
-    return [rl_run(j, inits[j[3]], args, runner) for j in jobs]
+    inits = {s: warmup(s, args, runner) for s in sorted({key(j[3]) for j in jobs})}
+    return [rl_run(j, inits[key(j[3])], args, runner) for j in jobs]
   with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-    warm, futures = {}, []
-    for job in jobs:  # FIFO: a seed's warm-up is queued before its runs
-      if job[3] not in warm:
-        shared = args.shared_warmup and warm
-        warm[job[3]] = (next(iter(warm.values())) if shared
-                        else pool.submit(warmup, job[3], args, runner))
-      futures.append(pool.submit(
-          lambda j, w: rl_run(j, w.result(), args, runner), job, warm[job[3]]))
-    return [f.result() for f in futures]
+    warm = {pool.submit(warmup, s, args, runner): s
+            for s in sorted({key(j[3]) for j in jobs})}
+    runs = {}
+    for done in concurrent.futures.as_completed(warm):
+      init = done.result()
+      for job in jobs:
+        if key(job[3]) == warm[done]:
+          runs[job] = pool.submit(rl_run, job, init, args, runner)
+    return [runs[job].result() for job in jobs]
 
 
 def _mean(values) -> float:
