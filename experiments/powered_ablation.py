@@ -6,6 +6,16 @@ tune each rule's learning rate, pre-register, then confirm on fresh seeds.
 
 Run it from the repository root (the configs' paths are relative to it).
 
+Another config is one cell (``all``) run as written, its rule, rate and
+steps set by ``--config.`` keys; ``--init_from`` starts every run from a
+pretrained directory instead of a per-seed warm-up, and ``--tune_seeds=0``
+with one ``--rates`` value skips tuning (a pilot, its power not estimated)::
+
+    PYTHONPATH=. python experiments/powered_ablation.py \\
+        --config=configs/smollm2_reasoning_gym.py --init_from=/tmp/smollm2 \\
+        --modes=token,sequence,balanced --tune_seeds=0 --rates=1e-5 \\
+        --confirm_seeds=3 --steps=10 --outdir=experiments/results/pilot
+
 Stages (``--stage``, default ``all``, which runs them in order; every stage
 resumes: a run whose ``summary.json`` exists is not rerun):
 
@@ -63,6 +73,7 @@ import stability  # noqa: E402
 CONFIG = "configs/drafts.py"
 MODES = ("token", "sequence", "dr_grpo", "balanced")
 GAPS = ("neg", "none", "pos")
+WHOLE = "all"  # the one cell of a config other than CONFIG: the config as written
 PRIMARY = ("reward_auc", "mean training reward over the RL run")
 SECONDARY = ("heldout_after", "held-out sampled accuracy after RL")
 # (A, B, kind): the named comparisons, d = A - B per seed.
@@ -76,9 +87,9 @@ TIE_DECIMALS = 3
 def seed_split(n_tune: int, n_confirm: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """(tuning seeds, confirmation seeds): disjoint, the tuning ones from
   ``TUNE_SEED_BASE``, the confirmation ones from 0."""
-  if n_confirm > TUNE_SEED_BASE or n_tune < 1 or n_confirm < 2:
+  if n_confirm > TUNE_SEED_BASE or n_tune < 0 or n_confirm < 2:
     raise ValueError(f"tune_seeds={n_tune}, confirm_seeds={n_confirm}: expected "
-                     f">= 1 tuning and 2..{TUNE_SEED_BASE} confirmation seeds")
+                     f">= 0 tuning and 2..{TUNE_SEED_BASE} confirmation seeds")
   return (tuple(range(TUNE_SEED_BASE, TUNE_SEED_BASE + n_tune)),
           tuple(range(n_confirm)))
 
@@ -110,7 +121,7 @@ class Runner:
 
   def train(self, variant: str, workdir: pathlib.Path, overrides: list[str]):
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = ablation._train_cmd(CONFIG, variant, workdir, overrides)
+    cmd = ablation._train_cmd(self.args.config, variant, workdir, overrides)
     if not self.inprocess:
       return ablation._run(cmd, workdir / "log.txt", self.threads)
     from ba_jax import train
@@ -131,9 +142,24 @@ def _variant(*parts) -> str:
   return ",".join(p for p in parts if p)
 
 
+def run_settings(args, gap: str, mode: str, lr: float) -> tuple[str, list[str]]:
+  """(variant, overrides) of one RL run: ``configs/drafts.py``'s own
+  variants, or for another config (one cell, ``WHOLE``) its ``--config.``
+  keys."""
+  if args.config == CONFIG:
+    return _variant(f"gap={gap},agg={mode},lr={lr!r},steps={args.steps}",
+                    args.variant), []
+  return args.variant, [f"--config.loss.aggregation={mode}",
+                        f"--config.optim.learning_rate={lr!r}",
+                        f"--config.rl.steps={args.steps}"]
+
+
 def warmup(seed: int, args, runner: Runner) -> pathlib.Path:
   """Once per seed (``--shared_warmup``: once, seed 0's, for every seed):
-  the supervised warm-up, exported for ``init_from``."""
+  the supervised warm-up, exported for ``init_from``; with ``--init_from``
+  (a pretrained start) that directory, and no warm-up."""
+  if args.init_from:
+    return pathlib.Path(args.init_from)
   seed = 0 if args.shared_warmup else seed
   workdir = args.outdir / "runs" / f"warmup_s{seed}"
   export_dir = workdir / "hf"
@@ -150,10 +176,10 @@ def rl_run(job, init_dir: pathlib.Path, args, runner: Runner) -> dict:
   if not (workdir / "summary.json").exists():
     t0 = time.perf_counter()
     try:
-      runner.train(_variant(f"gap={gap},agg={mode},lr={lr!r},steps={args.steps}",
-                            args.variant), workdir, [
+      variant, settings = run_settings(args, gap, mode, lr)
+      runner.train(variant, workdir, [
           f"--config.seed={seed}", f"--config.init_from={init_dir}",
-          "--config.sft.steps=0", *args.override])
+          "--config.sft.steps=0", *settings, *args.override])
     except RuntimeError:
       # A run the non-finite guard stopped still wrote its summary: at a rate
       # too large for a rule that is a result (a poor one), not a crash.
@@ -170,7 +196,7 @@ def run_jobs(jobs: list[tuple], args, runner: Runner) -> list[dict]:
   (queued behind the warm-ups still waiting, so no core idles on one);
   finished runs are read back, not rerun."""
   jobs = sorted(set(jobs), key=lambda j: (j[3], j))
-  key = (lambda seed: 0) if args.shared_warmup else (lambda seed: seed)
+  key = (lambda seed: 0) if args.shared_warmup or args.init_from else (lambda seed: seed)
   if runner.inprocess:
     inits = {s: warmup(s, args, runner) for s in sorted({key(j[3]) for j in jobs})}
     return [rl_run(j, inits[key(j[3])], args, runner) for j in jobs]
@@ -244,7 +270,7 @@ def tune(args, runner) -> list[dict]:
   tune_seeds, _ = seed_split(args.tune_seeds, args.confirm_seeds)
   jobs = [(g, m, lr, s) for s in tune_seeds for g in args.gaps
           for m in args.modes for lr in args.rates]
-  rows = run_jobs(jobs, args, runner)
+  rows = run_jobs(jobs, args, runner) if jobs else []
   _write_jsonl(args.outdir / "tuning.jsonl", rows)
   return rows
 
@@ -280,6 +306,7 @@ def plan_from(rows: list[dict], args) -> dict:
   return dict(
       primary=PRIMARY, secondary=SECONDARY, gaps=list(args.gaps), modes=list(args.modes),
       rates=list(args.rates), steps=args.steps, variant=args.variant,
+      config=args.config, init_from=args.init_from,
       override=args.override, tune_seeds=list(tune_seeds),
       confirm_seeds=list(confirm_seeds), chosen=chosen, tuning_means=means,
       common=common, margin=args.margin, comparisons=[list(c) for c in COMPARISONS],
@@ -332,11 +359,12 @@ def confirmation_jobs(plan: dict) -> dict[str, list[tuple]]:
 
 def confirm(args, runner) -> list[dict]:
   plan = frozen_plan(args.outdir)
-  for name in ("steps", "variant", "override"):  # the runs the plan describes
-    if getattr(args, name) != plan[name]:
+  for name in ("steps", "variant", "override", "config", "init_from"):
+    frozen = plan.get(name, {"config": CONFIG, "init_from": ""}.get(name))
+    if getattr(args, name) != frozen:  # the runs the plan describes
       print(f"--{name}={getattr(args, name)!r} ignored: the frozen plan's is "
-            f"{plan[name]!r}", flush=True)
-      setattr(args, name, plan[name])
+            f"{frozen!r}", flush=True)
+      setattr(args, name, frozen)
   arms = confirmation_jobs(plan)
   done = {tuple(r[k] for k in ("gap", "mode", "lr", "seed")): r
           for r in run_jobs([j for js in arms.values() for j in js], args, runner)}
@@ -380,11 +408,21 @@ def main(argv=None):
   parser.add_argument("--stage", default="all",
                       choices=("all", "tune", "predict", "confirm", "report"))
   parser.add_argument("--outdir", default="experiments/results/powered")
-  parser.add_argument("--gaps", default="neg,pos")
+  parser.add_argument("--config", default=CONFIG,
+                      help=f"the runs' config; another than {CONFIG} is one "
+                           f"cell ({WHOLE!r}) run as written, its rule, rate "
+                           "and steps set by --config. keys")
+  parser.add_argument("--init_from", default="",
+                      help="start every run from this Hugging Face directory "
+                           "(a pretrained model) instead of a per-seed warm-up")
+  parser.add_argument("--gaps", default=None,
+                      help=f"cells: some of {GAPS} for {CONFIG} (default "
+                           f"neg,pos), {WHOLE!r} for another config")
   parser.add_argument("--modes", default=",".join(MODES))
   parser.add_argument("--rates", default="1.5e-4,3e-4,6e-4",
                       help="the learning rates each rule is tuned over")
-  parser.add_argument("--tune_seeds", type=int, default=3)
+  parser.add_argument("--tune_seeds", type=int, default=3,
+                      help="0: no tuning (a pilot), one rate given in --rates")
   parser.add_argument("--confirm_seeds", type=int, default=20)
   parser.add_argument("--steps", type=int, default=20, help="RL steps per run")
   parser.add_argument("--margin", type=float, default=0.05,
@@ -409,10 +447,15 @@ def main(argv=None):
     args.tune_seeds, args.confirm_seeds, args.shared_warmup = 1, 2, True
     args.override = ["--config.sft.steps=4", "--config.eval.num_problems=4",
                      "--config.checkpoint.async_save=False", *args.override]
-  args.gaps = _choices(args.gaps, GAPS, "gaps")
+  drafts_cells = args.config == CONFIG
+  args.gaps = _choices(args.gaps or ("neg,pos" if drafts_cells else WHOLE),
+                       GAPS if drafts_cells else (WHOLE,), "gaps")
   args.modes = _choices(args.modes, MODES, "modes")
   args.rates = sorted(float(x) for x in args.rates.split(",") if x)
-  if len(args.rates) < 3 and not args.dry:
+  if args.tune_seeds == 0 and len(args.rates) != 1:
+    parser.error(f"--rates={args.rates}: with --tune_seeds=0 nothing is tuned; "
+                 "give the one rate every rule runs at")
+  if args.tune_seeds and len(args.rates) < 3 and not args.dry:
     parser.error(f"--rates={args.rates}: a sweep needs at least 3 rates")
   args.outdir = pathlib.Path(args.outdir)
   args.outdir.mkdir(parents=True, exist_ok=True)
@@ -423,7 +466,7 @@ def main(argv=None):
     rows = tune(args, runner)
   if args.stage in ("all", "predict"):
     rows = _read_rows(args.outdir / "tuning.jsonl")
-    if not rows:
+    if not (args.outdir / "tuning.jsonl").exists():
       raise SystemExit(f"{args.outdir}/tuning.jsonl is missing: run --stage=tune first")
     predict(rows, args)
   if args.stage in ("all", "confirm"):

@@ -3,6 +3,7 @@ plan and the tuning runs) and REPORT.md (from the confirmation runs), with
 the tests of experiments/ablation_stats.py."""
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -34,20 +35,28 @@ def _pm(values, spec=".3f") -> str:
 
 def predictions_md(plan: dict, tuning_rows: list[dict]) -> str:
   p, m = plan, plan["margin"]
+  config = p.get("config", "configs/drafts.py")
+  start = (f"every run starts from `{p['init_from']}` (no warm-up)"
+           if p.get("init_from") else
+           "every run of a seed starts from that seed's one warm-up (common "
+           "random numbers)")
+  rates = (f"- Learning rates swept per cell and rule: {p['rates']}, on the "
+           f"tuning seeds {p['tune_seeds']} (never reported)."
+           if p["tune_seeds"] else
+           f"- No tuning (a pilot): every rule at {p['rates'][0]:g}; nothing "
+           "was seen before this file, and the power below is not estimated.")
   lines = [
-      "# Pre-registration: the powered aggregation ablation (drafts task)", "",
+      f"# Pre-registration: the powered aggregation ablation (`{config}`)", "",
       "Written by `experiments/powered_ablation.py --stage=predict` after the "
       "tuning runs and before any confirmation run; the tuning runs (seeds "
       f"{p['tune_seeds']}) are the only runs seen. The confirmation stage "
       "refuses to run if this file is missing or changed (its sha256 is in "
       "`predictions.json`).", "",
       "## Design", "",
-      f"- Task `configs/drafts.py` (variant `{p['variant'] or '-'}`), cells "
-      f"{p['gaps']} (gap sign of the verifier rule), rules {p['modes']}, "
-      f"{p['steps']} RL steps per run; every run of a seed starts from that "
-      "seed's one warm-up (common random numbers).",
-      f"- Learning rates swept per cell and rule: {p['rates']}, on the tuning "
-      f"seeds {p['tune_seeds']} (never reported).",
+      f"- Config `{config}` (variant `{p['variant'] or '-'}`), cells "
+      f"{p['gaps']} (for the drafts task, the gap sign of the verifier rule), "
+      f"rules {p['modes']}, {p['steps']} RL steps per run; {start}.",
+      rates,
       f"- Confirmation seeds: {p['confirm_seeds'][0]}..{p['confirm_seeds'][-1]} "
       f"({len(p['confirm_seeds'])}; disjoint from the tuning seeds).",
       "- Arm `tuned`: each rule at its chosen rate (confirmatory). Arm "
@@ -101,7 +110,7 @@ def predictions_md(plan: dict, tuning_rows: list[dict]) -> str:
       "| token/dr_grpo positive share - positive fraction |",
       "|---|---|---|---|---|"]
   for g in p["gaps"]:
-    pr = PREDICTED[g]
+    pr = PREDICTED.get(g, collections.defaultdict(lambda: "not predicted"))
     lines.append(f"| {g} | {pr[('balanced', 'sequence')]} | {pr[('balanced', 'token')]} | "
                  f"{pr[('token', 'dr_grpo')]} | {pr['share']} |")
   lines += ["",

@@ -20,7 +20,8 @@ def test_seed_split_is_disjoint():
   assert len(tune) == 3 and len(confirm) == 20
   assert not set(tune) & set(confirm)
   assert confirm == tuple(range(20)) and min(tune) == pa.TUNE_SEED_BASE
-  for bad in ((0, 20), (3, 1), (3, pa.TUNE_SEED_BASE + 1)):
+  assert pa.seed_split(0, 4) == ((), (0, 1, 2, 3))  # a pilot: no tuning
+  for bad in ((-1, 20), (3, 1), (3, pa.TUNE_SEED_BASE + 1)):
     with pytest.raises(ValueError, match="confirmation seeds"):
       pa.seed_split(*bad)
 
@@ -51,13 +52,21 @@ def scripted_reward(gap, mode, lr, seed):
 class ScriptedRunner:
   """Writes what a run leaves (metrics, summary, config) without training."""
   calls: list = []
+  overrides: list = []
+  KEYS = {"--config.loss.aggregation": "agg", "--config.optim.learning_rate": "lr"}
 
   def __init__(self, args):
     self.inprocess = False
 
   def train(self, variant, workdir, overrides):
     workdir.mkdir(parents=True, exist_ok=True)
-    kv = dict(x.partition("=")[::2] for x in variant.split(","))
+    ScriptedRunner.overrides.append(overrides)
+    kv = dict(x.partition("=")[::2] for x in variant.split(",") if x)
+    for o in overrides:  # another config than drafts: its --config. keys
+      k, _, v = o.partition("=")
+      if k in self.KEYS:
+        kv[self.KEYS[k]] = v
+    kv.setdefault("gap", pa.WHOLE)
     seed = int(next(o for o in overrides if o.startswith("--config.seed="))
                 .split("=")[1])
     ScriptedRunner.calls.append((kv.get("agg", "warmup"), seed))
@@ -144,6 +153,43 @@ def test_protocol_with_scripted_runs(tmp_path, monkeypatch):
   assert "CONTROL FIRED" not in report.split("## Arm `common`")[0]
   assert "noise share" in report
   assert (tmp_path / "curves_tuned_pos.png").stat().st_size > 10_000
+
+
+def test_a_pilot_from_a_pretrained_checkpoint_has_no_warmup_and_no_tuning(tmp_path, monkeypatch, capsys):
+  """Another config (one cell), every run from --init_from, one rate for
+  every rule, two runs at a time."""
+  monkeypatch.setattr(pa, "Runner", ScriptedRunner)
+  ScriptedRunner.calls, ScriptedRunner.overrides = [], []
+  args = [f"--outdir={tmp_path}", "--config=configs/smollm2_reasoning_gym.py",
+          "--init_from=/models/smollm2", "--modes=token,sequence,balanced",
+          "--tune_seeds=0", "--rates=1e-5", "--confirm_seeds=3", "--steps=4",
+          "--parallel=2"]
+  pa.main(args)
+  assert "warmup" not in {c[0] for c in ScriptedRunner.calls}
+  # one rate: the common arm's runs are the tuned arm's, run once
+  assert sorted(ScriptedRunner.calls) == sorted(
+      (m, s) for m in ("token", "sequence", "balanced") for s in range(3))
+  for o in ScriptedRunner.overrides:
+    assert {"--config.init_from=/models/smollm2", "--config.sft.steps=0",
+            "--config.rl.steps=4", "--config.optim.learning_rate=1e-05"} <= set(o)
+  plan = json.loads((tmp_path / "predictions.json").read_text())
+  assert plan["chosen"] == {f"all/{m}": 1e-5 for m in ("token", "sequence", "balanced")}
+  assert plan["tune_seeds"] == [] and np.isnan(plan["paired_sd"])
+  assert plan["config"] == "configs/smollm2_reasoning_gym.py"
+  predictions = (tmp_path / "PREDICTIONS.md").read_text()
+  assert "No tuning (a pilot): every rule at 1e-05" in predictions
+  assert "every run starts from `/models/smollm2` (no warm-up)" in predictions
+  rows = [json.loads(l) for l in (tmp_path / "results.jsonl").read_text().splitlines()]
+  assert len(rows) == 2 * 3 * 3 and {r["gap"] for r in rows} == {"all"}
+  report = (tmp_path / "REPORT.md").read_text()
+  tuned = {(r["mode"], r["seed"]): r["reward_auc"] for r in rows if r["arm"] == "tuned"}
+  t = st.paired_t([tuned[("balanced", s)] - tuned[("sequence", s)] for s in range(3)])
+  assert f"{t['mean']:+.3f} [{t['low']:+.3f}, {t['high']:+.3f}]" in report
+  with pytest.raises(SystemExit):
+    pa.main([*args, "--rates=1e-5,2e-5"])
+  assert "nothing is tuned" in capsys.readouterr().err
+  with pytest.raises(SystemExit, match="--gaps='pos': expected some of \\['all'\\]"):
+    pa.main([*args, "--gaps=pos"])
 
 
 def test_a_run_stopped_by_the_nonfinite_guard_scores_zero_for_what_is_missing(tmp_path):
