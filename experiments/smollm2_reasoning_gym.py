@@ -6,6 +6,9 @@ run's report (configs/smollm2_reasoning_gym.py).
     python experiments/smollm2_reasoning_gym.py --stage=probe
     # 2. The run itself (python -m ba_jax.train ... --workdir=W), then:
     python experiments/smollm2_reasoning_gym.py --stage=report --workdir=W
+    # For the aggregation pilot: prompts that leave the response's length to
+    # the model, and how much it varies within a group.
+    python experiments/smollm2_reasoning_gym.py --stage=length_probe
 
 The report reads the run's per-problem held-out results (W/heldout/
 step_0.json and step_<last>.json, written by the trainer on the same
@@ -33,6 +36,21 @@ RESULTS = ROOT / "experiments" / "results"
 CANDIDATES = (
     ("2 terms, 1 digit, + -", dict(min_digits=1, max_digits=1)),
     ("2 terms, 1-2 digits, + -", dict(min_digits=1, max_digits=2)),
+)
+
+# (label, dataset, its settings over the config's, instruction, response
+# budget) tried by the length probe: the RL config's prompt first, then
+# prompts that let the model choose how much to write.
+LENGTH_CANDIDATES = (
+    ("the RL config's prompt", "basic_arithmetic", {},
+     "Give the final number only.", 32),
+    ("explain, then the number", "basic_arithmetic", {},
+     "Explain briefly, then give the final number.", 96),
+    ("show the work, 3 terms", "basic_arithmetic", dict(min_terms=3, max_terms=3),
+     "Show your work, then give the final number.", 96),
+    ("chain_sum, 3 one-digit terms", "chain_sum",
+     dict(min_terms=3, max_terms=3, min_digits=1, max_digits=1),
+     "Show your work, then give the final number.", 96),
 )
 
 
@@ -70,6 +88,78 @@ def probe(output: pathlib.Path, num_problems: int) -> None:
                  time.perf_counter() - t0))
     _write_probe(output, rows, c, num_problems)  # each candidate as it ends
   print(f"wrote {output}")
+
+
+def length_probe(output: pathlib.Path, num_prompts: int, group_size: int, *,
+                 init_from: str = "", variant=None, prompt_len: int = 0,
+                 candidates=LENGTH_CANDIDATES) -> list[dict]:
+  """One step's rollout of the untrained model (``num_prompts`` training
+  prompts x ``group_size`` samples at the config's temperature) per
+  candidate: its pass rate, how often groups are mixed, and the
+  within-group length statistics the aggregation rules turn on
+  (``metrics.rollout_stats``). ``init_from``/``variant``: another
+  checkpoint or config variant (tests: ``runlocal`` on a tiny model);
+  ``prompt_len``: another ``task.max_prompt_len``."""
+  import jax
+  from flax import nnx
+  from ba_jax.run import metrics as metrics_lib
+  from ba_jax.run import rollout
+  from ba_jax.run import setup as setup_lib
+  rows = []
+  for label, dataset, settings, instruction, budget in candidates:
+    c = load_config(variant)
+    c.init_from = init_from or c.init_from
+    base = (c.task.dataset_config[dataset].to_dict()
+            if dataset in c.task.dataset_config else {})
+    c.task.datasets = dataset
+    c.task.dataset_config = {dataset: {**base, **settings}}
+    c.task.instruction = instruction
+    c.task.max_prompt_len = prompt_len or c.task.max_prompt_len
+    c.rl.update(max_new_tokens=budget, prompts_per_step=num_prompts,
+                group_size=group_size)
+    setup = setup_lib.make_setup(c)
+    model = nnx.merge(setup.graphdef, setup_lib.init_params(setup))
+    t0 = time.perf_counter()
+    ro = rollout.collect(model, setup.task, position=0, key=jax.random.key(0),
+                         rl=setup.rollout_cfg, mesh=setup.mesh, rules=setup.rules)
+    stats = metrics_lib.rollout_stats(ro.rewards, ro.correct, ro.advantages,
+                                      ro.sample_mask, ro.truncated, group_size)
+    rows.append(dict(label=label, dataset=dataset,
+                     settings=c.task.dataset_config[dataset].to_dict(),
+                     instruction=instruction, budget=budget,
+                     seconds=time.perf_counter() - t0, **stats))
+    _write_length_probe(output, rows, c, num_prompts, group_size)
+  print(f"wrote {output}")
+  return rows
+
+
+def _write_length_probe(output, rows, c, num_prompts, group_size) -> None:
+  f = lambda x, spec=".2f": "n/a" if x != x else format(x, spec)
+  lines = [
+      "# SmolLM2-135M-Instruct on reasoning-gym: response-length probe "
+      "(before RL)", "",
+      "`python experiments/smollm2_reasoning_gym.py --stage=length_probe`: "
+      f"the untrained model, one rollout of {num_prompts} training prompts x "
+      f"{group_size} samples at T={c.rl.temperature} per candidate, the "
+      "config's chat template and answer rule "
+      f"({c.task.answer_rule!r}); reward is the dataset's own score. Length "
+      "CV: within-group std/mean, averaged over groups; gap: (mean length of "
+      "the positive-advantage responses - the negative ones) / their "
+      "average, inside each mixed group, averaged over them.", "",
+      "| candidate | dataset, settings | instruction | budget | pass rate "
+      "| mixed groups | length mean | length CV in group | gap in group "
+      "(rel) | truncated | seconds |",
+      "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(
+        f"| {r['label']} | {r['dataset']} `{r['settings']}` | {r['instruction']} "
+        f"| {r['budget']} | {f(r['accuracy'])} | {f(r['groups_mixed_frac'])} "
+        f"| {f(r['length_mean'], '.1f')} | {f(r['length_cv_in_group'])} "
+        f"| {f(r['length_gap_in_group_rel'], '+.2f')} | {f(r['truncated_frac'])} "
+        f"| {r['seconds']:.0f} |")
+  lines += ["", "Seconds: the rollout (sampling and grading, compilation "
+            "included) on this host under its load at the time."]
+  output.write_text("\n".join(lines) + "\n")
 
 
 def _write_probe(output, rows, c, num_problems) -> None:
@@ -161,7 +251,14 @@ def report(workdir: pathlib.Path, output: pathlib.Path, png: pathlib.Path,
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--stage", choices=("probe", "report"), required=True)
+  p.add_argument("--stage", choices=("probe", "length_probe", "report"),
+                 required=True)
+  p.add_argument("--num_prompts", type=int, default=16,
+                 help="length_probe: prompts per candidate")
+  p.add_argument("--group_size", type=int, default=8,
+                 help="length_probe: samples per prompt")
+  p.add_argument("--init_from", default="",
+                 help="length_probe: another checkpoint than the config's")
   p.add_argument("--workdir", help="the RL run's workdir (report)")
   p.add_argument("--num_problems", type=int, default=200)
   p.add_argument("--output", default=None)
@@ -172,6 +269,9 @@ def main(argv=None):
   if args.stage == "probe":
     probe(pathlib.Path(args.output or RESULTS / "smollm2_probe.md"),
           args.num_problems)
+  elif args.stage == "length_probe":
+    length_probe(pathlib.Path(args.output or RESULTS / "smollm2_length_probe.md"),
+                 args.num_prompts, args.group_size, init_from=args.init_from)
   else:
     if not args.workdir:
       sys.exit("--stage=report needs --workdir (the RL run's)")

@@ -181,3 +181,28 @@ def test_paired_interval_of_the_smollm2_report():
   # The paired bootstrap's spread is the standard error of the differences.
   se = np.std(after.astype(float) - before, ddof=1) / np.sqrt(200)
   assert abs((hi - lo) / 2 - 1.96 * se) < 0.2 * se
+
+
+@pytest.mark.slow
+def test_length_probe_reports_the_rollouts_own_statistics(tmp_path):
+  """The pilot's length probe on a tiny model: per candidate, one rollout's
+  pass rate and within-group length statistics, as a table."""
+  import sys
+  sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve()
+                         .parents[1] / "experiments"))
+  import smollm2_reasoning_gym as report
+  ckpt = save_tiny_model("llama", tmp_path / "model")
+  # The tiny model's 256 positions: character-level prompts, a short budget
+  candidates = tuple(c[:4] + (24,) for c in (report.LENGTH_CANDIDATES[0],
+                                            report.LENGTH_CANDIDATES[-1]))
+  out = tmp_path / "probe.md"
+  rows = report.length_probe(out, 4, 4, init_from=str(ckpt), variant="runlocal",
+                             prompt_len=224, candidates=candidates)
+  assert [r["dataset"] for r in rows] == ["basic_arithmetic", "chain_sum"]
+  assert rows[1]["settings"]["min_terms"] == 3  # the candidate's over the config's
+  for r, (_, _, _, _, budget) in zip(rows, candidates):
+    assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["groups_mixed_frac"] <= 1.0
+    assert 0 < r["length_mean"] <= budget and r["length_cv_in_group"] >= 0.0
+  table = out.read_text()
+  assert table.count("| chain_sum, 3 one-digit terms |") == 1
+  assert f"| {rows[0]['length_mean']:.1f} |" in table
