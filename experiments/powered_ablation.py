@@ -154,13 +154,18 @@ def run_settings(args, gap: str, mode: str, lr: float) -> tuple[str, list[str]]:
                         f"--config.rl.steps={args.steps}"]
 
 
+def warmup_seed(args, seed: int) -> int:
+  """The seed whose warm-up a run of ``seed`` starts from: its own, or 0
+  for every seed with ``--shared_warmup`` (or ``--init_from``: none)."""
+  return 0 if args.shared_warmup or args.init_from else seed
+
+
 def warmup(seed: int, args, runner: Runner) -> pathlib.Path:
-  """Once per seed (``--shared_warmup``: once, seed 0's, for every seed):
-  the supervised warm-up, exported for ``init_from``; with ``--init_from``
-  (a pretrained start) that directory, and no warm-up."""
+  """The supervised warm-up of ``seed`` (a ``warmup_seed``), exported for
+  ``init_from``; with ``--init_from`` (a pretrained start) that directory,
+  and no warm-up."""
   if args.init_from:
     return pathlib.Path(args.init_from)
-  seed = 0 if args.shared_warmup else seed
   workdir = args.outdir / "runs" / f"warmup_s{seed}"
   export_dir = workdir / "hf"
   if not (export_dir / "config.json").exists():
@@ -196,7 +201,7 @@ def run_jobs(jobs: list[tuple], args, runner: Runner) -> list[dict]:
   (queued behind the warm-ups still waiting, so no core idles on one);
   finished runs are read back, not rerun."""
   jobs = sorted(set(jobs), key=lambda j: (j[3], j))
-  key = (lambda seed: 0) if args.shared_warmup or args.init_from else (lambda seed: seed)
+  key = lambda seed: warmup_seed(args, seed)
   if runner.inprocess:
     inits = {s: warmup(s, args, runner) for s in sorted({key(j[3]) for j in jobs})}
     return [rl_run(j, inits[key(j[3])], args, runner) for j in jobs]

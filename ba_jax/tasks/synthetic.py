@@ -209,15 +209,15 @@ class SyntheticTask:
     def max_warmup_response_tokens(task_cfg) -> int:
         return max_response_tokens(task_config(task_cfg))
 
-    def problems(self, start: int, n: int) -> list[Problem]:
-        """Training problems ``start .. start+n-1``."""
-        return train_problems(self.cfg, self.seed, start, n, self._exclude)
+    def problems(self, start: int, n: int, stream: int = 0) -> list[Problem]:
+        """Training problems ``start .. start+n-1`` (stream 1: warm-up data)."""
+        return train_problems(self.cfg, self.seed + 7919 * stream, start, n,
+                              self._exclude)
 
     def warmup_examples(self, step: int, batch_size: int
                         ) -> tuple[list[Problem], list[str]]:
         """Warm-up batch ``step``: its own problem stream and traces."""
-        problems = train_problems(self.cfg, self.seed + 7919, step * batch_size,
-                                  batch_size, self._exclude)
+        problems = self.problems(step * batch_size, batch_size, stream=1)
         rng = np.random.default_rng([self.seed, 3, step])
         return problems, [self.warmup_response(p, rng) for p in problems]
 
@@ -306,11 +306,6 @@ class RuleTask(SyntheticTask):
     @classmethod
     def max_warmup_response_tokens(cls, task_cfg) -> int:
         return cls.response_bound(cls.config_from(task_cfg))
-
-    def problems(self, start: int, n: int, stream: int = 0) -> list[Problem]:
-        """Training problems ``start..start+n-1`` (stream 1: warm-up data)."""
-        return train_problems(self.cfg, self.seed + 7919 * stream, start, n,
-                              self._exclude)
 
     def warmup_response(self, problem: Problem,
                         rng: np.random.Generator) -> str:
