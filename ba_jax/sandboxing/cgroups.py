@@ -23,6 +23,12 @@ ENV_PARENT = "BA_JAX_SANDBOX_CGROUP"
 _PREFIX = "ba_jax_sandbox_"
 
 
+def run_name() -> str:
+  """A run's cgroup and work-dir name: the prefix, the creating process's pid, a random tag.
+  The pid lets a cleanup (or a test) tell a run still in flight from one left behind."""
+  return f"{_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Hierarchy:
   version: int  # 1 or 2
@@ -137,7 +143,7 @@ class RunCgroup:
 
   @classmethod
   def create(cls, where: Hierarchy, limit_bytes: int) -> "RunCgroup":
-    path = os.path.join(where.parent, _PREFIX + secrets.token_hex(6))
+    path = os.path.join(where.parent, run_name())
     os.mkdir(path)
     group = cls(path, where.version)
     try:

@@ -235,7 +235,7 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
                                   f"{limits.max_workdir_mb} MB work directory")
   check_limits(limits)
   cgroup = _memory_cgroup(limits)
-  workdir = tempfile.mkdtemp(prefix="ba_jax_sandbox_")
+  workdir = tempfile.mkdtemp(prefix=cgroups.run_name() + "_")
   uid = 1_000_000 + secrets.randbelow(1 << 30) if _IS_ROOT else None
   token = secrets.token_hex(16).encode()
   pipes = []
