@@ -196,15 +196,24 @@ def rl_run(job, init_dir: pathlib.Path, args, runner: Runner) -> dict:
   return summarise(workdir, dict(gap=gap, mode=mode, lr=lr, seed=seed))
 
 
-def run_jobs(jobs: list[tuple], args, runner: Runner) -> list[dict]:
+def run_jobs(jobs: list[tuple], args, runner: Runner,
+             start_by: float | None = None) -> list[dict | None]:
   """Warm-ups, then each seed's RL runs as soon as its warm-up is done
   (queued behind the warm-ups still waiting, so no core idles on one);
-  finished runs are read back, not rerun."""
+  finished runs are read back, not rerun. A run not yet started at
+  ``start_by`` (``time.monotonic()``) is not started: its row is None."""
   jobs = sorted(set(jobs), key=lambda j: (j[3], j))
   key = lambda seed: warmup_seed(args, seed)
+
+  def run(job, init):
+    late = start_by is not None and time.monotonic() > start_by
+    if late and not (args.outdir / "runs" / run_name(*job) / "summary.json").exists():
+      return None
+    return rl_run(job, init, args, runner)
+
   if runner.inprocess:
     inits = {s: warmup(s, args, runner) for s in sorted({key(j[3]) for j in jobs})}
-    return [rl_run(j, inits[key(j[3])], args, runner) for j in jobs]
+    return [run(j, inits[key(j[3])]) for j in jobs]
   with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
     warm = {pool.submit(warmup, s, args, runner): s
             for s in sorted({key(j[3]) for j in jobs})}
@@ -213,7 +222,7 @@ def run_jobs(jobs: list[tuple], args, runner: Runner) -> list[dict]:
       init = done.result()
       for job in jobs:
         if key(job[3]) == warm[done]:
-          runs[job] = pool.submit(rl_run, job, init, args, runner)
+          runs[job] = pool.submit(run, job, init)
     return [runs[job].result() for job in jobs]
 
 
@@ -371,10 +380,23 @@ def confirm(args, runner) -> list[dict]:
             f"{frozen!r}", flush=True)
       setattr(args, name, frozen)
   arms = confirmation_jobs(plan)
-  done = {tuple(r[k] for k in ("gap", "mode", "lr", "seed")): r
-          for r in run_jobs([j for js in arms.values() for j in js], args, runner)}
-  rows = [dict(done[j], arm=arm) for arm, js in arms.items() for j in js]
+  jobs = sorted({j for js in arms.values() for j in js}, key=lambda j: (j[3], j))
+  start_by = (time.monotonic() + 60 * args.start_within_min
+              if args.start_within_min else None)
+  done = dict(zip(jobs, run_jobs(jobs, args, runner, start_by)))
+  # A seed counts only when every one of its runs finished (paired tests).
+  complete = [s for s in plan["confirm_seeds"]
+              if all(row is not None for j, row in done.items() if j[3] == s)]
+  rows = [dict(done[j], arm=arm) for arm, js in arms.items() for j in js
+          if j[3] in complete]
   _write_jsonl(args.outdir / "results.jsonl", rows)
+  if len(complete) < len(plan["confirm_seeds"]):
+    print(f"seeds {complete} finished within --start_within_min="
+          f"{args.start_within_min:g}; the rest of {plan['confirm_seeds']} "
+          "were not started", flush=True)
+  (args.outdir / "confirmed_seeds.json").write_text(json.dumps(dict(
+      planned=plan["confirm_seeds"], complete=complete,
+      start_within_min=args.start_within_min)) + "\n")
   return rows
 
 
@@ -382,7 +404,9 @@ def report(args) -> str:
   import powered_report
   plan = frozen_plan(args.outdir)
   rows = _read_rows(args.outdir / "results.jsonl")
-  text = powered_report.report_md(plan, rows, _read_rows(args.outdir / "tuning.jsonl"))
+  status = args.outdir / "confirmed_seeds.json"
+  text = powered_report.report_md(plan, rows, _read_rows(args.outdir / "tuning.jsonl"),
+                                  json.loads(status.read_text()) if status.exists() else None)
   (args.outdir / "REPORT.md").write_text(text)
   powered_report.plot(plan, rows, args.outdir)
   return text
@@ -430,6 +454,11 @@ def main(argv=None):
                       help="0: no tuning (a pilot), one rate given in --rates")
   parser.add_argument("--confirm_seeds", type=int, default=20)
   parser.add_argument("--steps", type=int, default=20, help="RL steps per run")
+  parser.add_argument("--start_within_min", type=float, default=0.0,
+                      help="time box of the confirm stage: no run starts later "
+                           "than this many minutes after the stage began (runs "
+                           "go seed by seed); the report covers the seeds whose "
+                           "runs all finished. 0: no time box")
   parser.add_argument("--margin", type=float, default=0.05,
                       help="non-inferiority margin on the primary outcome")
   parser.add_argument("--parallel", type=int, default=2)

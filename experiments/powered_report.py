@@ -183,13 +183,23 @@ def _tests_table(plan, rows, arm, outcome, confirmatory: bool) -> list[str]:
   return lines
 
 
-def report_md(plan: dict, rows: list[dict], tuning_rows: list[dict]) -> str:
-  n_conf = len(plan["confirm_seeds"])
+def report_md(plan: dict, rows: list[dict], tuning_rows: list[dict],
+              status: dict | None = None) -> str:
+  """``status``: the confirm stage's ``confirmed_seeds.json`` (which planned
+  seeds finished inside its time box), when it wrote one."""
+  n_conf = len({r["seed"] for r in rows})
   lines = ["# The powered aggregation ablation: report", "",
            "Pre-registration: [PREDICTIONS.md](PREDICTIONS.md). Rows: "
            f"`results.jsonl` ({len(rows)} confirmation rows over "
            f"{n_conf} seeds; the {len(tuning_rows)} tuning runs are not "
            "reported). Means ± SD (ddof 1) over seeds.", ""]
+  if status and len(status["complete"]) < len(status["planned"]):
+    lines += [f"**Time box.** Seeds {status['complete']} of the planned "
+              f"{status['planned']} are reported: no run started later than "
+              f"{status['start_within_min']:g} min after the confirm stage began "
+              "(`--start_within_min`), runs went seed by seed, and a seed counts "
+              "only when all its runs finished. The rule looks at the clock, not "
+              "at results.", ""]
   for arm in ("tuned", "common"):
     lines += [f"## Arm `{arm}`" + (" (confirmatory)" if arm == "tuned" else
                                    " (exploratory)"), "",

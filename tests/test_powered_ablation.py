@@ -2,6 +2,7 @@
 split of tuning and confirmation seeds, the rate choice, predictions written
 and frozen before any confirmation run, resuming; with a scripted runner
 (fast) and, end to end, with real tiny runs (slow)."""
+import itertools
 import json
 import pathlib
 import sys
@@ -190,6 +191,37 @@ def test_a_pilot_from_a_pretrained_checkpoint_has_no_warmup_and_no_tuning(tmp_pa
   assert "nothing is tuned" in capsys.readouterr().err
   with pytest.raises(SystemExit, match="--gaps='pos': expected some of \\['all'\\]"):
     pa.main([*args, "--gaps=pos"])
+
+
+def test_a_time_boxed_confirmation_reports_whole_seeds_and_resumes(tmp_path, monkeypatch):
+  """--start_within_min: no run starts after the box; a seed counts only when
+  all its runs finished; a later call without the box runs the rest."""
+  monkeypatch.setattr(pa, "Runner", ScriptedRunner)
+  ScriptedRunner.calls, ScriptedRunner.overrides = [], []
+  clock = itertools.count(0.0, 60.0)  # each look at the clock: one minute on
+  monkeypatch.setattr(pa.time, "monotonic", lambda: next(clock))
+  args = [f"--outdir={tmp_path}", "--config=configs/smollm2_reasoning_gym.py",
+          "--init_from=/models/smollm2", "--modes=token,sequence,balanced",
+          "--tune_seeds=0", "--rates=1e-5", "--confirm_seeds=3", "--steps=4",
+          "--parallel=1"]
+  pa.main([*args, "--start_within_min=4.5"])
+  # the box opens at minute 0 and closes at 4.5: runs start at minutes 1-4,
+  # so seed 0 (3 runs) and one run of seed 1
+  assert ScriptedRunner.calls == [("balanced", 0), ("sequence", 0), ("token", 0),
+                                  ("balanced", 1)]
+  rows = [json.loads(l) for l in (tmp_path / "results.jsonl").read_text().splitlines()]
+  assert {r["seed"] for r in rows} == {0} and len(rows) == 2 * 3
+  status = json.loads((tmp_path / "confirmed_seeds.json").read_text())
+  assert status == dict(planned=[0, 1, 2], complete=[0], start_within_min=4.5)
+  report = (tmp_path / "REPORT.md").read_text()
+  assert "6 confirmation rows over 1 seeds" in report
+  assert "Seeds [0] of the planned [0, 1, 2] are reported" in report
+  pa.main([*args, "--stage=confirm"])  # no box: the rest, finished runs read back
+  assert sorted(ScriptedRunner.calls) == sorted(
+      (m, s) for m in ("token", "sequence", "balanced") for s in range(3))
+  rows = [json.loads(l) for l in (tmp_path / "results.jsonl").read_text().splitlines()]
+  assert {r["seed"] for r in rows} == {0, 1, 2}
+  assert "Time box" not in pa.report(pa.argparse.Namespace(outdir=tmp_path))
 
 
 def test_a_run_stopped_by_the_nonfinite_guard_scores_zero_for_what_is_missing(tmp_path):
