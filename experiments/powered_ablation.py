@@ -14,7 +14,12 @@ with one ``--rates`` value skips tuning (a pilot, its power not estimated)::
     PYTHONPATH=. python experiments/powered_ablation.py \\
         --config=configs/smollm2_reasoning_gym.py --init_from=/tmp/smollm2 \\
         --modes=token,sequence,balanced --tune_seeds=0 --rates=1e-5 \\
-        --confirm_seeds=3 --steps=10 --outdir=experiments/results/pilot
+        --confirm_seeds=3 --steps=10 --start_within_min=120 \\
+        --outdir=experiments/results/pilot
+
+``--start_within_min`` time-boxes the confirm stage: runs go seed by seed,
+none starts after the box, and the report covers the seeds whose runs all
+finished (a later call without the box runs the rest).
 
 Stages (``--stage``, default ``all``, which runs them in order; every stage
 resumes: a run whose ``summary.json`` exists is not rerun):
