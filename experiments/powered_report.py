@@ -183,6 +183,39 @@ def _tests_table(plan, rows, arm, outcome, confirmatory: bool) -> list[str]:
   return lines
 
 
+PLANNING_MDDS = (0.06, 0.03)  # the differences a next run could be sized for
+
+
+def power_seen(plan: dict, rows: list[dict]) -> list[str]:
+  """The power these confirmation runs had, from their own paired SDs (tuned
+  arm, primary outcome), and the seeds a run would need for the
+  ``PLANNING_MDDS`` at that SD: a pilot's answer to "how many seeds"."""
+  outcome = plan["primary"][0]
+  lines = ["## Power seen in these runs", "",
+           f"Paired SD of `{outcome}` per named comparison (tuned arm), the minimum "
+           "detectable difference for this run's seeds (paired t-test, two-sided "
+           "alpha 0.05, power 0.8, non-central t), and the seeds a run needs for "
+           + " and ".join(f"{m:g}" for m in PLANNING_MDDS) + " at that SD. An SD "
+           "from few seeds is itself uncertain: the seed counts are estimates.", "",
+           "| cell | comparison | seeds | paired SD | MDD at these seeds | "
+           + " | ".join(f"seeds for MDD {m:g}" for m in PLANNING_MDDS) + " |",
+           "|---|---|---:|---:|---:|" + "---:|" * len(PLANNING_MDDS)]
+  for g in plan["gaps"]:
+    by = _by(rows, "tuned", g, outcome)
+    for a, b, _ in plan["comparisons"]:
+      if a not in by or b not in by:
+        continue
+      seeds = sorted(set(by[a]) & set(by[b]))
+      d = np.array([by[a][s] - by[b][s] for s in seeds], float)
+      sd = float(d.std(ddof=1)) if len(d) > 1 else float("nan")
+      known = len(d) > 1 and sd > 0
+      mdd = st.min_detectable_difference(len(d), sd) if known else float("nan")
+      need = [str(st.seeds_for(m, sd)) if known else "n/a" for m in PLANNING_MDDS]
+      lines.append(f"| {g} | {a} - {b} | {len(d)} | {_f(sd, '.4f')} | "
+                   f"{_f(mdd, '.3f')} | " + " | ".join(need) + " |")
+  return lines + [""]
+
+
 def report_md(plan: dict, rows: list[dict], tuning_rows: list[dict],
               status: dict | None = None) -> str:
   """``status``: the confirm stage's ``confirmed_seeds.json`` (which planned
@@ -228,6 +261,7 @@ def report_md(plan: dict, rows: list[dict], tuning_rows: list[dict],
                    else "; exploratory, unadjusted:"), ""]
       lines += _tests_table(plan, rows, arm, outcome, confirmatory)
     lines.append("")
+  lines += power_seen(plan, rows)
   lines += ["## How much of the seed-to-seed spread is sampling noise", "",
             "Binomial variance of a run's accuracy (p(1-p)/samples; held out: "
             "problems x samples per problem, whose responses to one problem "

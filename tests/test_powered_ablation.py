@@ -186,6 +186,12 @@ def test_a_pilot_from_a_pretrained_checkpoint_has_no_warmup_and_no_tuning(tmp_pa
   tuned = {(r["mode"], r["seed"]): r["reward_auc"] for r in rows if r["arm"] == "tuned"}
   t = st.paired_t([tuned[("balanced", s)] - tuned[("sequence", s)] for s in range(3)])
   assert f"{t['mean']:+.3f} [{t['low']:+.3f}, {t['high']:+.3f}]" in report
+  # the power these runs had, and the seeds a next run needs at their SD
+  d = np.array([tuned[("balanced", s)] - tuned[("sequence", s)] for s in range(3)])
+  sd = d.std(ddof=1)
+  assert (f"| all | balanced - sequence | 3 | {sd:.4f} | "
+          f"{st.min_detectable_difference(3, sd):.3f} | {st.seeds_for(0.06, sd)} | "
+          f"{st.seeds_for(0.03, sd)} |") in report
   with pytest.raises(SystemExit):
     pa.main([*args, "--rates=1e-5,2e-5"])
   assert "nothing is tuned" in capsys.readouterr().err
