@@ -17,6 +17,9 @@ with one ``--rates`` value skips tuning (a pilot, its power not estimated)::
         --confirm_seeds=3 --steps=10 --start_within_min=120 \\
         --outdir=experiments/results/pilot
 
+(the run in experiments/results/pilot/README.md adds the length probe's
+prompt and smaller rollouts as ``--override`` flags).
+
 ``--start_within_min`` time-boxes the confirm stage: runs go seed by seed,
 none starts after the box, and the report covers the seeds whose runs all
 finished (a later call without the box runs the rest).
