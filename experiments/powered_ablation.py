@@ -205,11 +205,12 @@ def rl_run(job, init_dir: pathlib.Path, args, runner: Runner) -> dict:
 
 
 def run_jobs(jobs: list[tuple], args, runner: Runner,
-             start_by: float | None = None) -> list[dict | None]:
+             start_by: float | None = None) -> dict[tuple, dict | None]:
   """Warm-ups, then each seed's RL runs as soon as its warm-up is done
   (queued behind the warm-ups still waiting, so no core idles on one);
-  finished runs are read back, not rerun. A run not yet started at
-  ``start_by`` (``time.monotonic()``) is not started: its row is None."""
+  finished runs are read back, not rerun. Job -> row, seed by seed. A run
+  not yet started at ``start_by`` (``time.monotonic()``) is not started:
+  its row is None."""
   jobs = sorted(set(jobs), key=lambda j: (j[3], j))
   key = lambda seed: warmup_seed(args, seed)
 
@@ -221,7 +222,7 @@ def run_jobs(jobs: list[tuple], args, runner: Runner,
 
   if runner.inprocess:
     inits = {s: warmup(s, args, runner) for s in sorted({key(j[3]) for j in jobs})}
-    return [run(j, inits[key(j[3])]) for j in jobs]
+    return {j: run(j, inits[key(j[3])]) for j in jobs}
   with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
     warm = {pool.submit(warmup, s, args, runner): s
             for s in sorted({key(j[3]) for j in jobs})}
@@ -231,7 +232,7 @@ def run_jobs(jobs: list[tuple], args, runner: Runner,
       for job in jobs:
         if key(job[3]) == warm[done]:
           runs[job] = pool.submit(run, job, init)
-    return [runs[job].result() for job in jobs]
+    return {job: runs[job].result() for job in jobs}
 
 
 def _mean(values) -> float:
@@ -292,7 +293,7 @@ def tune(args, runner) -> list[dict]:
   tune_seeds, _ = seed_split(args.tune_seeds, args.confirm_seeds)
   jobs = [(g, m, lr, s) for s in tune_seeds for g in args.gaps
           for m in args.modes for lr in args.rates]
-  rows = run_jobs(jobs, args, runner) if jobs else []
+  rows = list(run_jobs(jobs, args, runner).values()) if jobs else []
   _write_jsonl(args.outdir / "tuning.jsonl", rows)
   return rows
 
@@ -388,10 +389,9 @@ def confirm(args, runner) -> list[dict]:
             f"{frozen!r}", flush=True)
       setattr(args, name, frozen)
   arms = confirmation_jobs(plan)
-  jobs = sorted({j for js in arms.values() for j in js}, key=lambda j: (j[3], j))
   start_by = (time.monotonic() + 60 * args.start_within_min
               if args.start_within_min else None)
-  done = dict(zip(jobs, run_jobs(jobs, args, runner, start_by)))
+  done = run_jobs([j for js in arms.values() for j in js], args, runner, start_by)
   # A seed counts only when every one of its runs finished (paired tests).
   complete = [s for s in plan["confirm_seeds"]
               if all(row is not None for j, row in done.items() if j[3] == s)]

@@ -200,19 +200,13 @@ def power_seen(plan: dict, rows: list[dict]) -> list[str]:
            "| cell | comparison | seeds | paired SD | MDD at these seeds | "
            + " | ".join(f"seeds for MDD {m:g}" for m in PLANNING_MDDS) + " |",
            "|---|---|---:|---:|---:|" + "---:|" * len(PLANNING_MDDS)]
-  for g in plan["gaps"]:
-    by = _by(rows, "tuned", g, outcome)
-    for a, b, _ in plan["comparisons"]:
-      if a not in by or b not in by:
-        continue
-      seeds = sorted(set(by[a]) & set(by[b]))
-      d = np.array([by[a][s] - by[b][s] for s in seeds], float)
-      sd = float(d.std(ddof=1)) if len(d) > 1 else float("nan")
-      known = len(d) > 1 and sd > 0
-      mdd = st.min_detectable_difference(len(d), sd) if known else float("nan")
-      need = [str(st.seeds_for(m, sd)) if known else "n/a" for m in PLANNING_MDDS]
-      lines.append(f"| {g} | {a} - {b} | {len(d)} | {_f(sd, '.4f')} | "
-                   f"{_f(mdd, '.3f')} | " + " | ".join(need) + " |")
+  for t in tests(plan, rows, "tuned", outcome):
+    n, sd = t["t"]["n"], t["t"]["sd"]
+    known = n > 1 and sd > 0
+    mdd = st.min_detectable_difference(n, sd) if known else float("nan")
+    need = [str(st.seeds_for(m, sd)) if known else "n/a" for m in PLANNING_MDDS]
+    lines.append(f"| {t['gap']} | {t['a']} - {t['b']} | {n} | {_f(sd, '.4f')} | "
+                 f"{_f(mdd, '.3f')} | " + " | ".join(need) + " |")
   return lines + [""]
 
 

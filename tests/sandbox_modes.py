@@ -95,16 +95,14 @@ def leftovers():
 def _creator_alive_elsewhere(path):
   """True when the run's name says another live process made it: a run still in flight in
   another test worker, not one this test left behind."""
-  creator = os.path.basename(path)[len("ba_jax_sandbox_"):].split("_")[0]
-  if not creator.isdigit() or int(creator) == os.getpid():
+  creator = cgroups.run_creator(path)
+  if creator is None or creator == os.getpid():
     return False
   try:
-    os.kill(int(creator), 0)
+    os.kill(creator, 0)
   except ProcessLookupError:
     return False
-  except PermissionError:
-    return True
-  return True
+  return True  # alive (PermissionError too: alive, another user's)
 
 
 def left_behind(before):

@@ -29,6 +29,14 @@ def run_name() -> str:
   return f"{_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
 
 
+def run_creator(path: str) -> int | None:
+  """The pid of the process that made the run named by ``path``'s last
+  component (a ``run_name``), or None for another name."""
+  name = os.path.basename(path)
+  creator = name[len(_PREFIX):].split("_")[0] if name.startswith(_PREFIX) else ""
+  return int(creator) if creator.isdigit() else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Hierarchy:
   version: int  # 1 or 2
