@@ -175,6 +175,11 @@ def _settings(config) -> dict:
       model_dtype=config.model.dtype)
 
 
+def _ended(meta: dict) -> dict:
+  """``meta`` with the host's 1-minute load average at the end of a part."""
+  return dict(meta, host=dict(meta["host"], load_end=os.getloadavg()[0]))
+
+
 def _host(matmul_n: int) -> dict:
   import importlib.metadata as md
   cpu = platform.processor() or platform.machine()
@@ -188,6 +193,7 @@ def _host(matmul_n: int) -> dict:
   versions = ", ".join(f"{p} {md.version(p)}" for p in (
       "jax", "flax", "torch", "transformers", "trl"))
   return dict(cpu=cpu, cores=os.cpu_count(), versions=versions,
+              load_start=os.getloadavg()[0],
               matmul_gflops=matmul_gflops(matmul_n))
 
 
@@ -251,10 +257,10 @@ def main(argv=None):
       f"{meta['host']['matmul_gflops']}")
   for part in args.parts:
     if part == "train":
-      results["train"] = dict(part_train(args, log), meta=meta)
+      results["train"] = dict(part_train(args, log), meta=_ended(meta))
       report_lib.plot(results["train"], png)
     elif part == "real":
-      results["real"] = dict(part_real(args, log), meta=meta)
+      results["real"] = dict(part_real(args, log), meta=_ended(meta))
     else:
       raise ValueError(f"--parts: unknown part {part!r} (train, real)")
     raw.parent.mkdir(parents=True, exist_ok=True)

@@ -296,6 +296,16 @@ def report_real(part: dict) -> list[str]:
   return out + [""]
 
 
+def _load(host: dict) -> str:
+  """The host's 1-minute load average at the part's start and end, as
+  measured (runs before it was recorded ran on a host shared with other
+  work, as their reports said)."""
+  if "load_start" not in host:
+    return "shared with other work"
+  return (f"1-minute load average {host['load_start']:.1f} at the start and "
+          f"{host.get('load_end', float('nan')):.1f} at the end")
+
+
 def report(results: dict, path: pathlib.Path, png: pathlib.Path | None):
   lines = ["# ba_jax vs TRL's GRPOTrainer on the same job", ""]
   for name in ("train", "real"):
@@ -306,7 +316,7 @@ def report(results: dict, path: pathlib.Path, png: pathlib.Path | None):
     lines += [
         f"Part {1 if name == 'train' else 2} written by `{meta['command']}` "
         f"({meta['date']}). Host: {host['cpu']}, {host['cores']} cores, "
-        "shared with other work; float32 "
+        f"{_load(host)}; float32 "
         f"{g['n']}x{g['n']} matmul measured at the start: **{g['jax']:.0f} "
         f"GFLOP/s (JAX), {g['torch']:.0f} GFLOP/s (torch, "
         f"{g['torch_threads']} threads)**, the floor reference (hosts of this "
