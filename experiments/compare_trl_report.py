@@ -303,7 +303,7 @@ def _load(host: dict) -> str:
   if "load_start" not in host:
     return "shared with other work"
   return (f"1-minute load average {host['load_start']:.1f} at the start and "
-          f"{host.get('load_end', float('nan')):.1f} at the end")
+          f"{host['load_end']:.1f} at the end")
 
 
 def report(results: dict, path: pathlib.Path, png: pathlib.Path | None):

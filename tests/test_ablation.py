@@ -1,8 +1,9 @@
 """The ablation script end to end on a 2-step config, so it cannot rot.
 
-Two of the rules run (every rule's loss is checked in test_aggregation and
-test_trainer); each further rule here would add a process start and a fresh
-train-step compile, the bulk of this test's time in CI's cold cache."""
+Two of the rules run (every rule's loss and gradient are checked in
+test_aggregation, test_microbatch and test_chunked_scoring); each further
+rule here would add a process start and a fresh train-step compile, the bulk
+of this test's time in CI's cold cache."""
 import json
 import pathlib
 import sys
