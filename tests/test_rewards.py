@@ -69,6 +69,19 @@ def test_math_grading_in_process(rule):
   assert all(batch.extracted[-i] is None for i in range(1, len(MISSING) + 1))
 
 
+def test_integer_answers_are_judged_as_math_verify_judges_them():
+  """Two integer literals skip math-verify's parse: the verdict must be its own."""
+  pairs = [("12", "12"), ("12", "13"), ("-3", "3"), ("-3", "-3"), ("025", "25"), ("0", "-0"),
+           ("100", "1000"), ("999999999999", "999999999999"), ("7", "007"), ("1", "10")]
+  for answer, truth in pairs:
+    fast, extracted = rewards.judge_extracted(answer, truth)
+    assert extracted == rewards.normalize_answer(answer)
+    assert fast == rewards._math_verify_equal(answer, truth, None), (answer, truth)
+  # Not both integer literals: math-verify decides (e.g. a percentage against a fraction).
+  assert rewards.judge_extracted("1,000", "1000")[0]
+  assert not rewards.judge_extracted("12.5", "12")[0]
+
+
 def test_score_math_checks_its_inputs():
   with pytest.raises(ValueError, match="responses has 2 items but ground_truths has 1"):
     rewards.score_math(["a", "b"], ["1"])

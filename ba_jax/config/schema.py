@@ -407,6 +407,9 @@ class ReasoningGymTask:
                             check=at_least(1))
 
 
+XLA_CPU_COMPILE = ("default", "fast")  # ba_jax.policy.compiling.CPU_OPTIONS
+
+
 TASK_SECTIONS: dict[str, type] = {
     cls().name: cls for cls in (SyntheticSumTask, ChainsTask, DraftsTask,
                                 DapoMathTask, PolarisTask, ReasoningGymTask)}
@@ -423,6 +426,9 @@ class RunConfig:
                               check=at_least(0), free=True)
   sharding_rules: tuple = key(DEFAULT_SHARDING_RULES, "logical axis name -> mesh axes",
                               free=True)
+  xla_cpu_compile: str = key("default", "XLA:CPU compile options ('fast': about half the compile "
+                             "time for tiny models, more for 100M+; see ba_jax.policy.compiling)",
+                             choices=XLA_CPU_COMPILE, free=True)
   model: Model = dataclasses.field(default_factory=Model)
   task: Any = dataclasses.field(default_factory=SyntheticSumTask)
   sft: Sft = dataclasses.field(default_factory=Sft)

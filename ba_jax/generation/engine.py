@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ba_jax.policy import compiling
 from ba_jax.generation import draw as draw_lib
 from ba_jax.policy import sharding as sharding_lib
 from ba_jax.policy import kv_cache as kv_cache_lib
@@ -235,7 +236,7 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
                                   lengths=s["lengths"], truncated=~s["stopped"])
 
 
-engine_jit = jax.jit(_engine_program, static_argnames=("graphdef", "cfg", "mesh_rules"))
+engine_jit = compiling.jit(_engine_program, static_argnames=("graphdef", "cfg", "mesh_rules"))
 
 
 def lower(graphdef, params, *, prompts: int, prompt_len: int, group_size: int,

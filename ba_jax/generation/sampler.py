@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ba_jax.policy import compiling
 from ba_jax.generation import decoding
 from ba_jax.generation import engine
 from ba_jax.policy import kv_cache as kv_cache_lib
@@ -134,8 +135,8 @@ def _sample_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng,
                       lengths=lengths_N, truncated=~done_N)
 
 
-_sample_jit = jax.jit(_sample_program,
-                      static_argnames=("graphdef", "cfg", "mesh_rules"))
+_sample_jit = compiling.jit(_sample_program,
+                            static_argnames=("graphdef", "cfg", "mesh_rules"))
 
 
 def _eos_tuple(eos_id, vocab_size: int) -> tuple[int, ...]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from ba_jax.loss.aggregation import check_option
@@ -32,10 +35,17 @@ def group_advantages(rewards, group_size: int, *, std: str = "group",
   if not isinstance(group_size, int) or group_size < 1 or n % group_size:
     raise ValueError(
         f"group_size must be a positive int dividing N={n}; got {group_size!r}.")
-  rewards_GxS = rewards_N.reshape(-1, group_size)
-  centred = rewards_GxS - rewards_GxS.mean(-1, keepdims=True)
   if group_size == 1:
     return jnp.zeros_like(rewards_N)
+  return _group_advantages(rewards_N, eps, group_size=group_size, std=std)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "std"))
+def _group_advantages(rewards_N, eps, *, group_size: int, std: str):
+  """`group_advantages` for G > 1 (one program, not a dispatch per op)."""
+  n = rewards_N.shape[0]
+  rewards_GxS = rewards_N.reshape(-1, group_size)
+  centred = rewards_GxS - rewards_GxS.mean(-1, keepdims=True)
   if std == "group":
     scale = jnp.std(rewards_GxS, axis=-1, ddof=1, keepdims=True) + eps
   elif std == "batch":

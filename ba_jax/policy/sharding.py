@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ba_jax.policy import compiling
 from ba_jax.config import schema
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -123,7 +124,7 @@ def create_sharded(make_model: Callable[[], nnx.Module], mesh: Mesh, rules=DEFAU
   def init():
     return nnx.state(make_model())
 
-  state = jax.jit(init, out_shardings=shardings)()
+  state = compiling.jit(init, out_shardings=shardings)()
   return nnx.merge(graphdef, state)
 
 

@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from ba_jax.policy import compiling
 from ba_jax.config import schema
 from ba_jax.policy import hf
 from ba_jax.policy import lora as lora_lib
@@ -78,6 +79,9 @@ def make_setup(config, *, abstract: bool = False, devices=None,
                explicit: Collection[str] = (), model_config=None) -> Setup:
   """Builds and checks everything static about a run of ``config``.
 
+  Unless ``abstract``, it also selects the XLA:CPU compile options of
+  ``xla_cpu_compile`` for this process (``compiling.use``).
+
   Args:
     abstract: no tokenizer and no task (the dry run; restoring a workdir).
       The architecture is ``init_from``'s config.json when that file
@@ -93,6 +97,7 @@ def make_setup(config, *, abstract: bool = False, devices=None,
     step_cfg = validate(cfg, mesh)
   tokenizer = None
   if not abstract:
+    compiling.use(cfg.xla_cpu_compile)
     tokenizer = tasks.make_tokenizer(cfg.task, paths.local(cfg.init_from))
   with config_checks():
     if model_config is None:

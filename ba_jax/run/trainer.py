@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ba_jax.policy import compiling
 from ba_jax.run import checkpointing
 from ba_jax.run import checks
 from ba_jax.run import metrics as metrics_lib
@@ -215,8 +216,8 @@ def _start(r: _Run):
         f"(sampled: T={c.eval.temperature}, {c.eval.samples_per_problem} "
         f"per problem; greedy: 1 each)")
   r.log("held-out accuracy before RL: " + _fmt(before))
-  state = jax.jit(lambda p: ts.create_state(p, setup.tx),
-                  out_shardings=setup.state_sharding)(params)
+  state = compiling.jit(lambda p: ts.create_state(p, setup.tx),
+                        out_shardings=setup.state_sharding)(params)
   meta = dict(data_position=0, before_rl=before,
               rng_key=np.asarray(jax.random.key_data(r.base_key)).tolist())
   r.ckpt.save(0, saved_state(setup, state), meta)
@@ -242,12 +243,12 @@ def _loop(r: _Run, state, meta) -> dict:
                               cfg=setup.step_cfg,
                               state_sharding=setup.state_sharding,
                               mesh=setup.mesh, rules=setup.rules)
-  score = jax.jit(lambda p, b: score_logp(p, b, graphdef=setup.graphdef,
-                                          temperature=rl.temperature))
+  score = compiling.jit(lambda p, b: score_logp(p, b, graphdef=setup.graphdef,
+                                                temperature=rl.temperature))
   ref_params = None
   if c.loss.kl_coef > 0 and setup.lora:
     # The reference is the base: the same weights with the adapters off.
-    score_ref = jax.jit(lambda p, b: score_logp(
+    score_ref = compiling.jit(lambda p, b: score_logp(
         lora_lib.adapters_off(p), b, graphdef=setup.graphdef,
         temperature=rl.temperature))
   elif c.loss.kl_coef > 0:  # the policy at RL step 0 is the reference

@@ -76,6 +76,9 @@ class RewardBatch:
     return out
 
 
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
 def _check_rule(rule: str):
   if rule not in RULES:
     raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
@@ -169,7 +172,8 @@ def judge_extracted(raw: str | None, raw_truth: str, *, timeout_s: int | None = 
                     ) -> tuple[bool, str | None]:
   """(correct, normalised answer) for an extracted answer. Correct when the normalised strings
   match or math-verify finds the raw or the normalised forms equivalent (the DAPO
-  normalisation can mangle LaTeX such as `\\left(`, so the raw forms go first).
+  normalisation can mangle LaTeX such as `\\left(`, so the raw forms go first); two integer
+  literals are compared as integers, math-verify's verdict without its parse).
   `timeout_s` (math-verify's signal timeouts) only works on the main thread."""
   if timeout_s is None:  # the caller bounds the time; math-verify would warn on every parse
     logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -177,6 +181,9 @@ def judge_extracted(raw: str | None, raw_truth: str, *, timeout_s: int | None = 
   if not answer:
     return False, None
   truth = normalize_answer(raw_truth)
+  if _INTEGER.fullmatch(raw.strip()) and _INTEGER.fullmatch(raw_truth.strip()):
+    # Two integer literals: math-verify's verdict, without its sympy parse.
+    return int(answer) == int(truth), answer
   if answer == truth or _math_verify_equal(raw, raw_truth, timeout_s):
     return True, answer
   if (answer, truth) != (raw, raw_truth) and _math_verify_equal(answer, truth, timeout_s):

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from ba_jax.policy import compiling
 from ba_jax.update import train_step as ts
 from ba_jax.policy.scoring import score_responses
 
@@ -73,12 +74,12 @@ def warmup(params, graphdef, task, *, steps: int, batch_size: int,
     param_sharding = ts.tree_shardings(params, mesh, rules)
     opt_sharding = ts.tree_shardings(jax.eval_shape(tx.init, params), mesh,
                                      rules)
-    jitted = jax.jit(step_fn, donate_argnums=(0, 1),
-                     in_shardings=(param_sharding, opt_sharding, None),
-                     out_shardings=(param_sharding, opt_sharding, None))
+    jitted = compiling.jit(step_fn, donate_argnums=(0, 1),
+                           in_shardings=(param_sharding, opt_sharding, None),
+                           out_shardings=(param_sharding, opt_sharding, None))
     opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
   else:
-    jitted = jax.jit(step_fn, donate_argnums=(0, 1))
+    jitted = compiling.jit(step_fn, donate_argnums=(0, 1))
     opt_state = tx.init(params)
   params = jax.tree.map(jnp.copy, params)
   losses = []

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from ba_jax.policy import compiling
 from ba_jax.config import schema
 from ba_jax.loss import aggregation as agg
 from ba_jax.loss import losses
@@ -261,7 +262,7 @@ def jit_train_step(*, graphdef, tx, cfg: StepConfig, state_sharding=None,
   if state_sharding is not None:
     kwargs = dict(in_shardings=(state_sharding, batch_sharding),
                   out_shardings=(state_sharding, None))
-  return jax.jit(fn, donate_argnums=0, **kwargs)
+  return compiling.jit(fn, donate_argnums=0, **kwargs)
 
 
 def make_optimizer(*, learning_rate: float, warmup_steps: int,

@@ -1,0 +1,90 @@
+"""``jit``: ``jax.jit`` whose XLA:CPU compile options a run chooses.
+
+The config key ``xla_cpu_compile`` picks ``CPU_OPTIONS[mode]`` for the
+programs a run calls (the train step, the samplers, scoring, the warm-up
+step); ``make_setup`` applies it with ``use``. ``"fast"``
+compiles with XLA:CPU's older loop emitters instead of its fusion emitters and
+LLVM's optimisation level 1 instead of 2. It pays off for tiny models, whose
+compile time is many small fusions, and not for larger ones
+(``experiments/bench_compile_options.py``, 2-core host, each run a fresh
+process): on the default tiny job's 20 RL steps it takes compilation to 0.61x,
+the steps after the first to 0.90x and the whole run to 0.80x; on
+SmolLM2-135M compilation is 1.30x and the steps 1.05x slower. So
+``configs/tiny.py`` sets it and the default is XLA's own (``"default"``).
+Only the CPU backend is affected, and ``lower`` (what the dry run compiles for
+an accelerator mesh) always uses XLA's defaults. The two modes round floats
+differently, so a run's sampled tokens may differ between them.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+
+from ba_jax.config import schema
+
+CPU_OPTIONS: dict[str, dict[str, Any] | None] = {
+    "default": None,
+    "fast": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1},
+}
+assert tuple(CPU_OPTIONS) == schema.XLA_CPU_COMPILE
+
+_mode = "default"
+
+
+def use(mode: str) -> None:
+  """Programs that ``jit`` compiles from now on, in this process, use
+  ``CPU_OPTIONS[mode]`` on the CPU backend (compiled programs are kept per
+  mode)."""
+  global _mode  # pylint: disable=global-statement
+  if mode not in CPU_OPTIONS:
+    raise ValueError(f"xla_cpu_compile={mode!r}: expected one of {sorted(CPU_OPTIONS)}")
+  _mode = mode
+
+
+def mode() -> str:
+  return _mode
+
+
+@functools.cache
+def _default_backend() -> str:
+  return jax.default_backend()
+
+
+def compiler_options(backend: str | None = None, cpu_mode: str | None = None
+                     ) -> dict[str, Any] | None:
+  """The options ``jit`` compiles with on ``backend`` (default: JAX's default
+  backend) in ``cpu_mode`` (default: the current one); None is XLA's defaults."""
+  options = CPU_OPTIONS[cpu_mode or _mode]
+  if options is None or (backend or _default_backend()) != "cpu":
+    return None
+  return dict(options)
+
+
+class jit:  # pylint: disable=invalid-name  (a drop-in for jax.jit)
+  """``jax.jit(fun, **kwargs)`` compiled with ``compiler_options()`` of the
+  mode current at each call (a module-level ``jit`` picks no backend at
+  import); ``lower`` lowers with XLA's defaults."""
+
+  def __init__(self, fun: Callable, **kwargs):
+    self._fun, self._kwargs = fun, kwargs
+    self._plain = jax.jit(fun, **kwargs)
+    self._with_options: dict[tuple, Any] = {}
+    functools.update_wrapper(self, fun)
+
+  def jitted(self):
+    """The ``jax.jit`` object a call now goes to."""
+    options = compiler_options()
+    if options is None:
+      return self._plain
+    key = tuple(sorted(options.items()))
+    if key not in self._with_options:
+      self._with_options[key] = jax.jit(self._fun, compiler_options=options, **self._kwargs)
+    return self._with_options[key]
+
+  def __call__(self, *args, **kwargs):
+    return self.jitted()(*args, **kwargs)
+
+  def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+    return self._plain.lower(*args, **kwargs)
