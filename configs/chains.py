@@ -90,6 +90,9 @@ def get_config(arg=None):
   c.optim.learning_rate = float(args.get("lr", 5e-4))
   c.eval.num_problems = 32  # of the 150 distinct problems; training never sees them
   c.checkpoint.every = 0  # the end only: runs are short
+  # XLA's own options, as when the grid and the powered ablation (drafts.py)
+  # were run: a rerun on the same host then samples the same tokens.
+  c.xla_cpu_compile = "default"
 
   if args.get("quick"):  # one cell in minutes on 2 cores
     c.sft.steps = 300

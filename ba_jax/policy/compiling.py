@@ -10,7 +10,8 @@ compile time is many small fusions, and not for larger ones
 process): on the default tiny job's 20 RL steps it takes compilation to 0.61x,
 the steps after the first to 0.90x and the whole run to 0.80x; on
 SmolLM2-135M compilation is 1.30x and the steps 1.05x slower. So
-``configs/tiny.py`` sets it and the default is XLA's own (``"default"``).
+``configs/tiny.py`` sets it and the default is XLA's own (``"default"``;
+``configs/chains.py`` and ``drafts.py`` keep it, as their results ran).
 Only the CPU backend is affected, and ``lower`` (what the dry run compiles for
 an accelerator mesh) always uses XLA's defaults. The two modes round floats
 differently, so a run's sampled tokens may differ between them.
