@@ -72,6 +72,9 @@ def test_train_step_with_options_equals_xla_defaults(restore_mode):
   assert tu.max_abs_diff(out["fast"][0], out["plain"][0]) < 1e-6
   for key in ("loss", "grad_norm", "w_pos", "w_neg", "entropy"):
     np.testing.assert_allclose(out["fast"][1][key], out["plain"][1][key], rtol=1e-5, atol=1e-6)
-  # ``lower`` is what the dry run compiles: XLA's defaults, the same program text.
+  # ``lower`` is what the dry run compiles: no options, where a call's program has them.
   state = jax.jit(lambda p: ts.create_state(p, tx))(params)
+  kvs = lambda lowered: dict(lowered._lowering._compiler_options_kvs)  # pylint: disable=protected-access
+  assert kvs(fast.jitted().lower(state, batch)) == compiling.CPU_OPTIONS["fast"]
+  assert kvs(fast.lower(state, batch)) == {}
   assert fast.lower(state, batch).as_text() == plain.lower(state, batch).as_text()

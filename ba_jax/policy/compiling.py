@@ -71,18 +71,18 @@ class jit:  # pylint: disable=invalid-name  (a drop-in for jax.jit)
   def __init__(self, fun: Callable, **kwargs):
     self._fun, self._kwargs = fun, kwargs
     self._plain = jax.jit(fun, **kwargs)
-    self._with_options: dict[tuple, Any] = {}
+    self._by_mode: dict[str, Any] = {}  # mode -> jax.jit with its options
     functools.update_wrapper(self, fun)
 
   def jitted(self):
     """The ``jax.jit`` object a call now goes to."""
-    options = compiler_options()
-    if options is None:
-      return self._plain
-    key = tuple(sorted(options.items()))
-    if key not in self._with_options:
-      self._with_options[key] = jax.jit(self._fun, compiler_options=options, **self._kwargs)
-    return self._with_options[key]
+    jitted = self._by_mode.get(_mode)
+    if jitted is None:
+      options = compiler_options()
+      jitted = self._plain if options is None else jax.jit(
+          self._fun, compiler_options=options, **self._kwargs)
+      self._by_mode[_mode] = jitted
+    return jitted
 
   def __call__(self, *args, **kwargs):
     return self.jitted()(*args, **kwargs)
