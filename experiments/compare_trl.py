@@ -4,6 +4,7 @@
     python experiments/compare_trl.py --parts=train        # part 1 only
     python experiments/compare_trl.py --parts=real         # part 2 only
     python experiments/compare_trl.py --quick --config=configs/tiny.py:smoke
+    python experiments/compare_trl.py --parts=train --warm_cache   # see below
 
 Part 1 ("train", ``--config``, default the default job configs/tiny.py):
 the config's supervised warm-up is run once and its policy exported to a
@@ -20,6 +21,12 @@ directories and scored by one evaluator (``ba_jax.run.trainer.evaluate``: held-o
 accuracy, sampled and greedy, the same PRNG key). Per RL step the wall time is
 split into generation, scoring (rewards), update and the rest.
 
+With ``--warm_cache``, part 1's ba_jax runs use JAX's persistent
+compilation cache (``compilation_cache_dir``), filled for each loss type by an
+untimed 1-step run before its first pair: each timed run still traces and
+lowers its programs (the in-memory caches are cleared) but loads them from the
+cache, as a fresh process of a repeated run does.
+
 Part 2 ("real", ``--real_config``): the first ``--real_steps`` steps of that
 config in both trainers (no held-out evaluation): seconds per step, ratio.
 
@@ -30,6 +37,7 @@ runs (``--fresh`` redoes them). The trainers are in compare_trl_runs.py,
 the results file in compare_trl_report.py.
 """
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -63,6 +71,10 @@ def part_train(args, log) -> dict:
   base = load_config(args.config, args.set)
   steps = args.steps or base.rl.steps
   work = pathlib.Path(args.workdir)
+  if args.warm_cache:
+    shutil.rmtree(work / "jax_cache", ignore_errors=True)
+    base.compilation_cache_dir = str(work / "jax_cache")
+  filled = set()  # loss types whose programs are in the persistent cache
   warm = warm_up(base, work / f"warm_{_slug(args.config)}", log)
   log(f"start policy: {warm['dir']} (warm-up {warm['seconds']:.0f} s"
       f"{', reused' if warm['reused'] else ''})")
@@ -81,6 +93,13 @@ def part_train(args, log) -> dict:
         index += 1
         continue
       evaluator = Evaluator(config)
+      if args.warm_cache and loss not in filled:
+        # An untimed run writes this loss type's programs to the cache.
+        log(f"[{loss}] filling the compilation cache: 1 untimed step")
+        fill = copy.deepcopy(config)
+        fill.stop_after_steps = 1
+        run_ours(fill, work / "runs" / f"fill_{loss}", evaluate=False)
+        filled.add(loss)
       if before is None:
         before = evaluator(warm["dir"])
       # Alternate who goes first, so that a drift of the shared host's speed
@@ -114,11 +133,12 @@ def part_train(args, log) -> dict:
               settings=_settings(cell_config(
                   base, seed=args.seeds[0], loss=args.losses[0], steps=steps,
                   init_from=warm["dir"], eval_every=args.eval_every)),
-              cells=cells, note=args.note, torch_threads=threads)
+              cells=cells, note=args.note, torch_threads=threads,
+              warm_cache=args.warm_cache)
 
 
 def part_real(args, log) -> dict:
-  base = load_config(args.real_config)
+  base = load_config(args.real_config, args.real_set)
   work = pathlib.Path(args.workdir)
   warm = warm_up(base, work / f"warm_{_slug(args.real_config)}", log)
   loss = args.real_loss
@@ -211,6 +231,8 @@ def main(argv=None):
   p.add_argument("--eval_every", type=int, default=20,
                  help="held-out curve every this many RL steps (0: off)")
   p.add_argument("--real_config", default="configs/smollm2_reasoning_gym.py")
+  p.add_argument("--real_set", action="append", default=[],
+                 help="dotted.key=value set on --real_config (repeatable)")
   p.add_argument("--real_steps", type=int, default=3)
   p.add_argument("--real_loss", default="token", choices=list(LOSS_TYPES))
   p.add_argument("--real_stand_in", default="",
@@ -219,6 +241,11 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true",
                  help="seconds-scale smoke: 2 steps, seed 0, token loss")
   p.add_argument("--note", default="", help="a line for part 1's results")
+  p.add_argument("--warm_cache", action="store_true",
+                 help="part 1 with JAX's persistent compilation cache "
+                      "(compilation_cache_dir under --workdir), filled for "
+                      "each loss type by an untimed 1-step run before its "
+                      "first pair")
   p.add_argument("--workdir", default="/tmp/compare_trl")
   p.add_argument("--out", default="")
   p.add_argument("--torch_threads", type=int, default=0,

@@ -131,9 +131,11 @@ def report_train(part: dict) -> list[str]:
   if part.get("note"):
     out += ["", part["note"]]
   # --- time
+  warm = part.get("warm_cache")
+  first_does = "loads from the cache" if warm else "compiles"
   out += ["", "### Time", "",
           "Per RL step (seconds; mean over the steps after the first and "
-          "over every run of the loss type; ba_jax's first step compiles):", ""]
+          f"over every run of the loss type; ba_jax's first step {first_does}):", ""]
   for loss in losses:
     runs = {name: [cells[f"{loss}/{s}"]["runs"][name] for s in seeds
                    if f"{loss}/{s}" in cells] for name in ("ba_jax", "trl")}
@@ -142,7 +144,7 @@ def report_train(part: dict) -> list[str]:
   out += ["Whole RL run per run pair (seconds; TRL / ba_jax is the ratio; "
           "runs of a pair ran one after the other in this process):", "",
           "| loss | seed | ran first | ba_jax whole run | TRL whole run | "
-          "ratio | ba_jax first step (compiles) | ba_jax steps 2..N, per step "
+          f"ratio | ba_jax first step ({first_does}) | ba_jax steps 2..N, per step "
           "| TRL steps 2..N, per step | ratio |",
           "|---|---|---|---|---|---|---|---|---|---|"]
   steady = {"ba_jax": [], "trl": []}
@@ -173,8 +175,11 @@ def report_train(part: dict) -> list[str]:
             f"(every pair) is **{verdict}**. Steps after the first: ba_jax "
             f"{_mean(steady['ba_jax']):.3f} s, TRL {_mean(steady['trl']):.3f} "
             f"s per step ({_mean(steady['trl']) / _mean(steady['ba_jax']):.2f}"
-            f"x); ba_jax's first step (XLA compilation of the sampler and the "
-            f"train step) averaged "
+            f"x); ba_jax's first step ("
+            + ("tracing and lowering the sampler and the train step, their "
+               "executables loaded from the persistent cache" if warm else
+               "XLA compilation of the sampler and the train step")
+            + ") averaged "
             f"{_mean([cells[k]['runs']['ba_jax']['steps'][0]['total'] for k in cells]):.1f}"
             f" s, TRL's {_mean([cells[k]['runs']['trl']['steps'][0]['total'] for k in cells]):.2f} s."]
     first = _mean([cells[k]["runs"]["ba_jax"]["steps"][0]["total"]
@@ -359,7 +364,14 @@ def report(results: dict, path: pathlib.Path, png: pathlib.Path | None):
       "process, alternating which goes first). Whole run: from the start "
       "checkpoint to trained weights, compilation included, imports and "
       "held-out evaluations excluded. The JAX caches are cleared before "
-      "each ba_jax run, so each one compiles as a fresh process would.",
+      "each ba_jax run, so each one compiles as a fresh process would."
+      + (" **Part 1 here (`--warm_cache`):** ba_jax's runs use JAX's "
+         "persistent compilation cache (`compilation_cache_dir`), filled for "
+         "each loss type by an untimed 1-step run before its first pair, so "
+         "each run traces and lowers its programs and loads them from the "
+         "cache, as a fresh process of a repeated run (another seed, a "
+         "resume) does." if results.get("train", {}).get("warm_cache")
+         else ""),
       ""]
   if "train" in results:
     lines += report_train(results["train"])

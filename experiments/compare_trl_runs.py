@@ -336,7 +336,7 @@ def run_trl(config, workdir: pathlib.Path, *, start_dir: str,
   rl = config.rl
   cfg = schema.parse(config)
   task = tasks.make_task(cfg.task, cfg.eval, seed=cfg.seed,
-                         tokenizer=tasks.make_tokenizer(cfg.task))
+                         tokenizer=tasks.make_tokenizer(cfg.task, str(start_dir)))
   problems = task.problems(0, rl.steps * rl.prompts_per_step)
   processing = AutoTokenizer.from_pretrained(start_dir)
   texts, _ = _prompt_texts(task, problems, processing)

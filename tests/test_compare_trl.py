@@ -57,3 +57,26 @@ def test_quick_comparison_writes_both_trainers_numbers(tmp_path, monkeypatch):
   text = out.read_text()
   assert "| token | 0 | ba_jax |" in text and "| token | trl | 0 |" in text
   assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_real_part_times_both_trainers_on_the_real_configs_code_path(tmp_path, monkeypatch):
+  """Part 2 on configs/smollm2_reasoning_gym.py:runlocal (a tiny random Llama
+  with a chat template standing in for SmolLM2): both trainers run the
+  reasoning-gym task's first 2 steps and the report gives their ratio."""
+  from model_utils import save_tiny_model  # pylint: disable=import-outside-toplevel
+  monkeypatch.chdir(ROOT)
+  start = save_tiny_model("llama", tmp_path / "start")
+  out = tmp_path / "compare_trl.md"
+  compare_trl.main(["--parts=real", "--real_steps=2", "--matmul_n=256",
+                    "--real_config=configs/smollm2_reasoning_gym.py:runlocal",
+                    f"--real_set=init_from={start}", "--torch_threads=1",
+                    f"--workdir={tmp_path / 'work'}", f"--out={out}"])
+  real = json.loads(out.with_suffix(".json").read_text())["real"]
+  assert real["steps"] == 2 and real["trl_loss"] == "dapo"
+  for name in ("ba_jax", "trl"):
+    run = real["runs"][name]
+    assert [s["step"] for s in run["steps"]] == [1, 2]
+    assert all(s["total"] > 0 and 0.0 <= s["reward"] <= 1.0 for s in run["steps"])
+    assert 0 < run["rl_seconds"] <= run["run_seconds"]
+  assert "## Part 2: the real model, first 2 steps of" in out.read_text()

@@ -78,3 +78,66 @@ def test_train_step_with_options_equals_xla_defaults(restore_mode):
   assert kvs(fast.jitted().lower(state, batch)) == compiling.CPU_OPTIONS["fast"]
   assert kvs(fast.lower(state, batch)) == {}
   assert fast.lower(state, batch).as_text() == plain.lower(state, batch).as_text()
+
+
+@pytest.fixture
+def cache_hits():
+  """The persistent cache's hits recorded while the test runs; the cache is
+  off again afterwards."""
+  hits = []
+
+  def listener(event, **kwargs):
+    if event == "/jax/compilation_cache/cache_hits":
+      hits.append(event)
+
+  jax.monitoring.register_event_listener(listener)
+  yield hits
+  jax.monitoring.unregister_event_listener(listener)
+  compiling.use_cache("")
+
+
+def test_use_cache_writes_programs_and_a_later_compile_loads_them(tmp_path, cache_hits):
+  before = jax.config.jax_compilation_cache_dir
+  cache = tmp_path / "cache"
+  compiling.use_cache(str(cache))
+  assert compiling.cache_dir() == str(cache)
+  assert jax.config.jax_compilation_cache_dir == str(cache)
+  # A program no other test compiles (its constant), so the first call misses.
+  f = lambda x: jax.numpy.tanh(x @ x.T + 0.8125)
+  x = np.linspace(-1.0, 1.0, 24, dtype=np.float32).reshape(4, 6)
+  first = np.asarray(jax.jit(f)(x))
+  written = sorted(p.name for p in cache.iterdir())
+  assert written and not cache_hits
+  jax.clear_caches()  # as a new process: nothing compiled in memory
+  again = np.asarray(jax.jit(f)(x))
+  assert len(cache_hits) == 1
+  np.testing.assert_array_equal(again, first)
+  assert sorted(p.name for p in cache.iterdir()) == written  # loaded, not rewritten
+  # '' gives JAX's own setting back: a new program is not written there.
+  compiling.use_cache("")
+  assert compiling.cache_dir() == "" and jax.config.jax_compilation_cache_dir == before
+  jax.jit(lambda x: x * 3.0625)(x)
+  assert sorted(p.name for p in cache.iterdir()) == written
+
+
+@pytest.mark.slow
+def test_a_run_from_the_cache_trains_exactly_as_the_compiling_run(tmp_path, cache_hits, restore_mode):
+  """configs/tiny.py:smoke twice with ``compilation_cache_dir``, the second
+  after the in-memory caches are cleared: it loads its programs (the sampler
+  and the train step among them) and its parameters and metrics are the
+  first run's, bit for bit."""
+  from ba_jax.run import trainer  # pylint: disable=import-outside-toplevel
+  config = tu.smoke_config(compilation_cache_dir=str(tmp_path / "cache"))
+  runs = []
+  for name in ("compiles", "loads"):
+    jax.clear_caches()
+    hits = len(cache_hits)
+    out = trainer.run(config, str(tmp_path / name))
+    runs.append((len(cache_hits) - hits, out))
+  (hits_first, first), (hits_second, second) = runs
+  assert hits_first == 0 and hits_second >= 2
+  assert tu.max_abs_diff(tu.host_params(second["state"]), tu.host_params(first["state"])) == 0.0
+  for a, b in zip(first["history"], second["history"]):
+    for key in ("loss", "reward_mean", "grad_norm", "length_mean"):
+      assert a[key] == b[key], key
+  assert second["after_rl"] == first["after_rl"]

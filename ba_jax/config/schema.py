@@ -429,6 +429,9 @@ class RunConfig:
   xla_cpu_compile: str = key("default", "XLA:CPU compile options ('fast': about half the compile "
                              "time for tiny models, more for 100M+; see ba_jax.policy.compiling)",
                              choices=XLA_CPU_COMPILE, free=True)
+  compilation_cache_dir: str = key("", "JAX's persistent compilation cache: a later process that "
+                                   "compiles the same programs loads them from this directory "
+                                   "('': off; see ba_jax.policy.compiling.use_cache)", free=True)
   model: Model = dataclasses.field(default_factory=Model)
   task: Any = dataclasses.field(default_factory=SyntheticSumTask)
   sft: Sft = dataclasses.field(default_factory=Sft)

@@ -80,7 +80,9 @@ def make_setup(config, *, abstract: bool = False, devices=None,
   """Builds and checks everything static about a run of ``config``.
 
   Unless ``abstract``, it also selects the XLA:CPU compile options of
-  ``xla_cpu_compile`` for this process (``compiling.use``).
+  ``xla_cpu_compile`` and the persistent compilation cache of
+  ``compilation_cache_dir`` for this process (``compiling.use``,
+  ``compiling.use_cache``).
 
   Args:
     abstract: no tokenizer and no task (the dry run; restoring a workdir).
@@ -98,6 +100,7 @@ def make_setup(config, *, abstract: bool = False, devices=None,
   tokenizer = None
   if not abstract:
     compiling.use(cfg.xla_cpu_compile)
+    compiling.use_cache(cfg.compilation_cache_dir)
     tokenizer = tasks.make_tokenizer(cfg.task, paths.local(cfg.init_from))
   with config_checks():
     if model_config is None:
