@@ -82,8 +82,8 @@ def test_train_step_with_options_equals_xla_defaults(restore_mode):
 
 @pytest.fixture
 def cache_hits():
-  """The persistent cache's hits recorded while the test runs; the cache is
-  off again afterwards."""
+  """The persistent cache's hits recorded while the test runs; afterwards
+  JAX's own cache setting applies again (the suite's, tests/conftest.py)."""
   hits = []
 
   def listener(event, **kwargs):
