@@ -21,11 +21,16 @@ directories and scored by one evaluator (``ba_jax.run.trainer.evaluate``: held-o
 accuracy, sampled and greedy, the same PRNG key). Per RL step the wall time is
 split into generation, scoring (rewards), update and the rest.
 
-With ``--warm_cache``, part 1's ba_jax runs use JAX's persistent
-compilation cache (``compilation_cache_dir``), filled for each loss type by an
-untimed 1-step run before its first pair: each timed run still traces and
-lowers its programs (the in-memory caches are cleared) but loads them from the
-cache, as a fresh process of a repeated run does.
+With ``--warm_cache``, ba_jax's runs use JAX's persistent compilation cache
+(``compilation_cache_dir``), filled by an untimed 1-step run (part 1: for each
+loss type before its first pair; part 2: before its run): each timed run still
+traces and lowers its programs (the in-memory caches are cleared) but loads
+them from the cache, as a fresh process of a repeated run does.
+
+ba_jax pads the update's prompts as the config says; ``--set`` /
+``--real_set rl.prompt_pad_multiple=k`` pads them to the batch's longest
+rounded up to a multiple of k, as TRL pads to the batch's longest (each part's
+padding line in the results says which).
 
 Part 2 ("real", ``--real_config``): the first ``--real_steps`` steps of that
 config in both trainers (no held-out evaluation): seconds per step, ratio.
@@ -140,6 +145,9 @@ def part_train(args, log) -> dict:
 def part_real(args, log) -> dict:
   base = load_config(args.real_config, args.real_set)
   work = pathlib.Path(args.workdir)
+  if args.warm_cache:
+    shutil.rmtree(work / "jax_cache_real", ignore_errors=True)
+    base.compilation_cache_dir = str(work / "jax_cache_real")
   warm = warm_up(base, work / f"warm_{_slug(args.real_config)}", log)
   loss = args.real_loss
   config = cell_config(base, seed=base.seed, loss=loss, steps=args.real_steps,
@@ -150,6 +158,11 @@ def part_real(args, log) -> dict:
     return json.loads(record_file.read_text())
   threads = pick_torch_threads(warm["dir"], args.torch_threads)
   log(f"torch threads for TRL: {threads}")
+  if args.warm_cache:
+    log("[real] filling the compilation cache: 1 untimed step")
+    fill = copy.deepcopy(config)
+    fill.stop_after_steps = 1
+    run_ours(fill, work / "runs" / "real_fill", evaluate=False)
   runs = {}
   for name in ("ba_jax", "trl"):
     log(f"[real] {name}: the first {args.real_steps} steps of "
@@ -163,7 +176,8 @@ def part_real(args, log) -> dict:
   return _save(record_file, dict(
       config=args.real_config, init_from=warm["dir"], steps=args.real_steps,
       loss=loss, trl_loss=LOSS_TYPES[loss], settings=_settings(config),
-      runs=runs, stand_in=args.real_stand_in, torch_threads=threads))
+      runs=runs, stand_in=args.real_stand_in, torch_threads=threads,
+      warm_cache=args.warm_cache))
 
 
 def _rounded(x):
@@ -192,7 +206,7 @@ def _settings(config) -> dict:
       heldout=config.eval.num_problems,
       samples_per_problem=config.eval.samples_per_problem,
       eval_temperature=config.eval.temperature, task=config.task.name,
-      model_dtype=config.model.dtype)
+      model_dtype=config.model.dtype, prompt_pad_multiple=rl.prompt_pad_multiple)
 
 
 def _ended(meta: dict) -> dict:
@@ -242,10 +256,10 @@ def main(argv=None):
                  help="seconds-scale smoke: 2 steps, seed 0, token loss")
   p.add_argument("--note", default="", help="a line for part 1's results")
   p.add_argument("--warm_cache", action="store_true",
-                 help="part 1 with JAX's persistent compilation cache "
-                      "(compilation_cache_dir under --workdir), filled for "
-                      "each loss type by an untimed 1-step run before its "
-                      "first pair")
+                 help="ba_jax with JAX's persistent compilation cache "
+                      "(compilation_cache_dir under --workdir), filled by an "
+                      "untimed 1-step run: in part 1 for each loss type "
+                      "before its first pair, in part 2 before its run")
   p.add_argument("--workdir", default="/tmp/compare_trl")
   p.add_argument("--out", default="")
   p.add_argument("--torch_threads", type=int, default=0,

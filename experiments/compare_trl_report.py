@@ -40,15 +40,18 @@ UNMATCHED = [
      "different frameworks: a seed is matched by its number only, the "
      "responses differ; hence several seeds"),
     ("Padding and positions",
-     "static shapes: prompts left-padded to `task.max_prompt_len`, responses "
-     "to the budget `rl.max_new_tokens`, in sampling and in the update; "
-     "positions counted from the first real token",
+     "static shapes: prompts left-padded to `task.max_prompt_len` in "
+     "sampling, and in the update to the batch's longest rounded up to a "
+     "multiple of `rl.prompt_pad_multiple` when that is set (each part's "
+     "padding line says how it ran); responses to the budget "
+     "`rl.max_new_tokens`; positions counted from the first real token",
      "eager: prompts left-padded to the batch's longest, completions to the "
      "batch's longest; its scorer passes no position ids, so positions "
      "count from the first pad",
      "XLA compiles one program per shape, so ours computes on more padding "
-     "tokens (part of its update time); RoPE depends on relative positions "
-     "only, so the positions differ by rounding only"),
+     "tokens (part of its update time; `rl.prompt_pad_multiple` trims the "
+     "prompts' share at one program per width met); RoPE depends on relative "
+     "positions only, so the positions differ by rounding only"),
     ("CPU threads",
      "XLA's default", "torch intra-op threads: the faster of 1 and all "
      "cores at `generate`, measured before the runs (see above)",
@@ -71,6 +74,17 @@ UNMATCHED = [
      "both from a Hugging Face directory to trained weights in memory; "
      "imports and every held-out evaluation excluded (timed and subtracted)"),
 ]
+
+
+def _padding_line(st: dict) -> str:
+  """How ba_jax padded the update's prompts in a part (``rl.prompt_pad_multiple``)."""
+  k = st.get("prompt_pad_multiple", 0)
+  if not k:
+    return ("ba_jax's update: prompts padded to `task.max_prompt_len` "
+            "(`rl.prompt_pad_multiple=0`).")
+  return (f"ba_jax's update: prompts padded to the batch's longest rounded up to a "
+          f"multiple of {k} (`rl.prompt_pad_multiple={k}`; TRL pads to the batch's "
+          "longest), responses to the budget.")
 
 
 NOTES_MARKER = "<!-- hand-written notes below; kept when the script rewrites this file -->"
@@ -124,7 +138,7 @@ def report_train(part: dict) -> list[str]:
           f"mini-batches per step, beta 0. Held-out: "
           f"{st['heldout']} problems, sampled (T={st['eval_temperature']}, "
           f"{st['samples_per_problem']} each) and greedy."]
-  out += ["", _threads_line(part.get("torch_threads"))]
+  out += ["", _padding_line(st), "", _threads_line(part.get("torch_threads"))]
   if part["steps"] != part["default_steps"]:
     out += ["", f"**Reduced:** {part['steps']} RL steps for both trainers "
             f"instead of the config's {part['default_steps']}."]
@@ -281,8 +295,14 @@ def report_real(part: dict) -> list[str]:
           f"`{part['trl_loss']}`); {st['prompts_per_step']} prompts x "
           f"{st['group_size']}, {st['max_new_tokens']} new tokens, "
           f"{st['num_minibatches']} mini-batches per step; no held-out "
-          "evaluation (timing only).", "", _threads_line(
-              part.get("torch_threads")), "",
+          "evaluation (timing only).", "", _padding_line(st), ""]
+  if part.get("warm_cache"):
+    out += ["With `--warm_cache`: ba_jax's run uses JAX's persistent compilation "
+            "cache (`compilation_cache_dir`), filled by an untimed 1-step run "
+            "before it, so its first step traces and lowers its programs and "
+            "loads them from the cache, as a repeated run (a resume, another "
+            "seed) does.", ""]
+  out += [_threads_line(part.get("torch_threads")), "",
           "| step | ba_jax (s) | TRL (s) | TRL / ba_jax |", "|---|---|---|---|"]
   for a, b in zip(o["steps"], t["steps"]):
     out.append(f"| {a['step']} | {a['total']:.2f} | {b['total']:.2f} | "

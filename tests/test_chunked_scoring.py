@@ -42,9 +42,11 @@ def _batch(n=4, p=5, t=11, vocab=97, seed=0):
   return tuple(jnp.asarray(x) for x in (p_ids, p_mask, r_ids, r_mask))
 
 
+@pytest.mark.parametrize("tied", [False, True])  # head [E, V] ("ev") or the embedding [V, E] ("ve")
 @pytest.mark.parametrize("chunk", [1, 4, 11, 64])
-def test_chunked_equals_unchunked(chunk):
-  model, batch = _model(), _batch()
+def test_chunked_equals_unchunked(chunk, tied):
+  model, batch = _model(tie_word_embeddings=tied), _batch()
+  assert model.head_operand()[1] == ("ve" if tied else "ev")
   got = nnx.jit(lambda m: scoring.score_responses(m, *batch, temperature=0.7, chunk=chunk))(model)
   want = nnx.jit(lambda m: _unchunked(m, *batch, 0.7))(model)
   for g, w in zip(got, want):
@@ -52,8 +54,9 @@ def test_chunked_equals_unchunked(chunk):
 
 
 @pytest.mark.slow
-def test_loss_gradients_equal_for_every_mode():
-  model, batch = _model(), _batch()
+@pytest.mark.parametrize("chunk, tied", [(4, False), (64, True)])  # several chunks (remat) / one
+def test_loss_gradients_equal_for_every_mode(chunk, tied):
+  model, batch = _model(tie_word_embeddings=tied), _batch()
   rng = np.random.default_rng(1)
   adv = jnp.asarray(rng.normal(size=batch[0].shape[0]), jnp.float32)
   old = jnp.asarray(-np.abs(rng.normal(size=batch[2].shape)), jnp.float32)
@@ -66,7 +69,7 @@ def test_loss_gradients_equal_for_every_mode():
   def every_mode(score):  # one compiled program per scorer, one backward pass per mode
     return nnx.jit(lambda m: {mode: nnx.value_and_grad(lambda m: loss(m, score, mode))(m) for mode in agg.MODES})
 
-  chunked = every_mode(lambda m: scoring.score_responses(m, *batch, temperature=0.7, chunk=4))(model)
+  chunked = every_mode(lambda m: scoring.score_responses(m, *batch, temperature=0.7, chunk=chunk))(model)
   full = every_mode(lambda m: _unchunked(m, *batch, 0.7))(model)
   for mode in agg.MODES:
     (l_c, g_c), (l_f, g_f) = chunked[mode], full[mode]

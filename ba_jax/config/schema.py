@@ -119,6 +119,10 @@ class Rl:
                            "(0: whole)", check=at_least(0), free=True)
   cache_phases: int = key(0, "cache lengths a decode loop runs through (0: the backend's "
                           "default); same tokens", check=at_least(0), free=True)
+  prompt_pad_multiple: int = key(0, "the update's prompts: padded to the batch's longest, "
+                                 "rounded up to a multiple of this (0: to task.max_prompt_len); "
+                                 "a program per width met; same sums", check=at_least(0),
+                                 free=True)
   ppo_epochs: int = key(1, "passes over the batch per step", check=at_least(1))
   num_minibatches: int = key(2, "optimizer updates per epoch (whole groups each)",
                              check=at_least(1))

@@ -224,6 +224,21 @@ def _rotate_half(x):
   return jnp.concatenate([-x2, x1], axis=-1)
 
 
+def token_einsum(subscripts: str, x, kernel, *, einsum=jnp.einsum):
+  """``einsum(subscripts, x, kernel)`` with ``x``'s two leading axes (rows, positions) merged into one
+  token axis for the product: ``subscripts`` names that axis ``t`` ("te,em->tm"); the result gets
+  the two axes back.
+
+  The same sums. With rows and positions as two axes, the weight's gradient contracts over both, and
+  XLA:CPU ran such a backward about 2x slower than the one-axis form (an MLP's fwd+bwd at 64 rows x
+  48 positions: 17 vs 9 ms; experiments/results/token_axis_bench.md); merging leading axes is a free
+  reshape on every backend, sharded rows included.
+  """
+  B, L = x.shape[:2]
+  y = einsum(subscripts, x.reshape(B * L, *x.shape[2:]), kernel)
+  return y.reshape(B, L, *y.shape[1:])
+
+
 def apply_rope(x_BxLxHxD, cos_BxLxD, sin_BxLxD):
   cos = cos_BxLxD[:, :, None, :].astype(x_BxLxHxD.dtype)
   sin = sin_BxLxD[:, :, None, :].astype(x_BxLxHxD.dtype)
@@ -271,7 +286,7 @@ class Attention(nnx.Module):
 
   def _project(self, x, kernel, bias):
     # .astype: LoRA's delta (qwix) is in the adapters' dtype; the layer computes in self.dtype.
-    y = jnp.einsum("ble,ehd->blhd", x, kernel[...].astype(self.dtype)).astype(self.dtype)
+    y = token_einsum("te,ehd->thd", x, kernel[...].astype(self.dtype)).astype(self.dtype)
     return y if bias is None else y + bias[...].astype(self.dtype)
 
   def __call__(self, x_BxLxE, cos_BxLxD, sin_BxLxD, mask_BxL, cache_kv=None, index=None, allowed_BxLxS=None):
@@ -290,7 +305,7 @@ class Attention(nnx.Module):
       k, v = kv_cache_lib.write_kv(*cache_kv, k, v, index)  # [B,K,D,S], [B,K,S,D]; shared or per-row index
       new_kv = (k, v)
       out = attention_lib.full_attention(q, k, v, allowed_BxLxS, kv_axes="bksd", k_axes="bkds")
-    out = jnp.einsum("blhd,hde->ble", out, self.o_proj[...].astype(self.dtype)).astype(self.dtype)
+    out = token_einsum("thd,hde->te", out, self.o_proj[...].astype(self.dtype)).astype(self.dtype)
     if self.o_bias is not None:
       out = out + self.o_bias[...].astype(self.dtype)
     return out, new_kv
@@ -308,9 +323,9 @@ class MLP(nnx.Module):
     dt = self.dtype
     # einsum rather than `@`: LoRA (qwix) intercepts jnp.einsum calls made in the module itself
     # and adds its delta in the adapters' dtype (hence .astype).
-    gate = jnp.einsum("ble,em->blm", x_BxLxE, self.gate_proj[...].astype(dt)).astype(dt)
-    up = jnp.einsum("ble,em->blm", x_BxLxE, self.up_proj[...].astype(dt)).astype(dt)
-    return jnp.einsum("blm,me->ble", jax.nn.silu(gate) * up, self.down_proj[...].astype(dt)).astype(dt)
+    gate = token_einsum("te,em->tm", x_BxLxE, self.gate_proj[...].astype(dt)).astype(dt)
+    up = token_einsum("te,em->tm", x_BxLxE, self.up_proj[...].astype(dt)).astype(dt)
+    return token_einsum("tm,me->te", jax.nn.silu(gate) * up, self.down_proj[...].astype(dt)).astype(dt)
 
 
 class DecoderLayer(nnx.Module):
@@ -376,13 +391,23 @@ class Decoder(nnx.Module):
     """Float32 logits [B,L,V] (and the updated cache when `cache` is given); `layers`: see `hidden_states`."""
     x, new_cache = self.hidden_states(input_ids_BxL, attention_mask_BxL, positions_BxL=positions_BxL,
                                       cache=cache, attention_mask=attention_mask, layers=layers)
-    logits = attention_lib.einsum_f32("ble,ev->blv", x, self.head_weights())
+    head, axes = self.head_operand()
+    logits = token_einsum(f"te,{axes}->tv", x, head, einsum=attention_lib.einsum_f32)
     return logits if cache is None else (logits, new_cache)
 
   def head_weights(self) -> jax.Array:
     """The LM head [E,V] in the compute dtype (the embedding's transpose when tied)."""
     head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
     return head.astype(jnp.dtype(self.config.dtype))
+
+  def head_operand(self) -> tuple[jax.Array, str]:
+    """``(weights, axes)`` of the LM head as stored, in the compute dtype: the tied embedding
+    [V,E] (``"ve"``) or ``lm_head`` [E,V] (``"ev"``). Products name the axes (``f"te,{axes}->tv"``)
+    instead of transposing: XLA:CPU copied a tied [V,E] embedding to [E,V] for every forward
+    (about 0.1 s a call for SmolLM2's 49152 x 576)."""
+    if self.lm_head is None:
+      return self.embed_tokens[...].astype(jnp.dtype(self.config.dtype)), "ve"
+    return self.lm_head[...].astype(jnp.dtype(self.config.dtype)), "ev"
 
   def layer_slices(self) -> tuple:
     """The stacked layers as one `DecoderLayer` per layer (slices of the stacked parameters).

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ba_jax.policy import attention as attention_lib
+from ba_jax.policy.model import token_einsum
 
 
 def left_justify(ids_BxL: jax.Array, mask_BxL: jax.Array, pad_id: int = 0):
@@ -37,15 +38,27 @@ def token_logprobs(logits_NxTxV: jax.Array, tokens_NxT: jax.Array,
   return logp_NxT, entropy_NxT
 
 
-def chunked_token_logprobs(hidden_NxTxE: jax.Array, head_ExV: jax.Array,
+def chunked_token_logprobs(hidden_NxTxE: jax.Array, head: jax.Array,
                            tokens_NxT: jax.Array, temperature: float = 1.0,
-                           chunk: int = 512):
+                           chunk: int = 512, head_axes: str = "ev"):
   """`token_logprobs` of `hidden @ head`, `chunk` positions at a time.
 
-  A `lax.scan` over chunks of the sequence, each under `jax.checkpoint`: only
-  one `[N, chunk, V]` block of logits is live in the forward pass, and the
-  backward pass recomputes each block from the hidden states it saved.
+  `head` is [E, V] (`head_axes="ev"`) or [V, E] (`"ve"`, a tied embedding as
+  stored; `Decoder.head_operand`). A `lax.scan` over chunks of the sequence,
+  each under `jax.checkpoint` when there are several: only one `[N, chunk, V]`
+  block of logits is live in the forward pass, and the backward pass
+  recomputes each block from the hidden states it saved. With one chunk
+  nothing runs between its forward and its backward, so recomputing it would
+  save no memory and is skipped.
+
+  A token's logit is also taken as its hidden state times its own head row
+  (the same sum as that entry of the logits, in another order): the backward
+  pass then scatters into those rows instead of building a one-hot
+  `[N, chunk, V]` gradient of a gather from the block.
   """
+  if head_axes not in ("ev", "ve"):
+    raise ValueError(f"chunked_token_logprobs: head_axes={head_axes!r}; expected 'ev' ([E, V]) "
+                     "or 've' ([V, E])")
   N, T, _ = hidden_NxTxE.shape
   C = min(chunk, T)
   n = -(-T // C)
@@ -54,10 +67,22 @@ def chunked_token_logprobs(hidden_NxTxE: jax.Array, head_ExV: jax.Array,
     x = jnp.pad(x, [(0, 0), (0, n * C - T)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(N, n, C, *x.shape[2:]), 1, 0)
 
-  @jax.checkpoint
   def one_chunk(hidden_NxCxE, tokens_NxC):
-    logits_NxCxV = attention_lib.einsum_f32("nce,ev->ncv", hidden_NxCxE, head_ExV)
-    return token_logprobs(logits_NxCxV, tokens_NxC, temperature)
+    f32 = jnp.float32
+    logits_NxCxV = token_einsum(f"te,{head_axes}->tv", hidden_NxCxE, head,
+                                einsum=attention_lib.einsum_f32)
+    z_NxCxV = logits_NxCxV.astype(f32) / temperature
+    lse_NxC = jax.nn.logsumexp(z_NxCxV, axis=-1)
+    logp_NxCxV = z_NxCxV - lse_NxC[..., None]
+    entropy_NxC = -jnp.sum(jnp.exp(logp_NxCxV) * logp_NxCxV, axis=-1)
+    rows_NxCxE = head[tokens_NxC] if head_axes == "ve" else jnp.moveaxis(
+        jnp.take(head, tokens_NxC, axis=1), 0, -1)
+    # Products of 16-bit numbers are exact in float32: the same sum the matmul accumulates.
+    z_tok_NxC = jnp.sum(hidden_NxCxE.astype(f32) * rows_NxCxE.astype(f32), axis=-1) / temperature
+    return z_tok_NxC - lse_NxC, entropy_NxC
+
+  if n > 1:
+    one_chunk = jax.checkpoint(one_chunk)
 
   _, (logp_nxNxC, entropy_nxNxC) = jax.lax.scan(
       lambda _, xs: (None, one_chunk(*xs)), None,
@@ -72,7 +97,7 @@ def score_responses(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
   """Scores responses with one forward pass over `[prompt; response]`.
 
   Args:
-    model: a `Decoder` (`model.hidden_states` and `model.head_weights`).
+    model: a `Decoder` (`model.hidden_states` and `model.head_operand`).
     prompt_ids_NxP, prompt_mask_NxP: prompts, any padding (left is usual).
     response_ids_NxT, response_mask_NxT: responses starting at column 0, with
       mask 1 on real tokens (the stop token included) and 0 after.
@@ -116,9 +141,10 @@ def score_responses(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
     raise ValueError(f"score_responses: chunk must be a positive int (tokens per LM-head chunk), got {chunk!r}")
   hidden_NxLxE, _ = model.hidden_states(ids_NxL, mask_NxL)
   # The hidden state at column P-1+t predicts response token t.
+  head, head_axes = model.head_operand()
   logp_NxT, entropy_NxT = chunked_token_logprobs(
-      hidden_NxLxE[:, P - 1:P - 1 + T], model.head_weights(), response_ids_NxT,
-      temperature, chunk)
+      hidden_NxLxE[:, P - 1:P - 1 + T], head, response_ids_NxT,
+      temperature, chunk, head_axes)
   keep_NxT = response_mask_NxT == 1
   return (jnp.where(keep_NxT, logp_NxT, 0.0),
           jnp.where(keep_NxT, entropy_NxT, 0.0))

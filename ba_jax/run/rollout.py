@@ -57,6 +57,7 @@ class RolloutConfig:
   kv_cache_gib: float = 0.0  # KV-cache budget per device (0: unused); see decode_slots
   prefill_chunk: int = 0  # the engine prefills prompts this many tokens at a time; 0: whole
   cache_phases: int = 0  # cache lengths a decode loop runs through; 0: the backend's default
+  prompt_pad_multiple: int = 0  # the batch's prompts: see narrow_prompts; 0: task.max_prompt_len
   advantage_std: str = "group"
   dynamic_sampling: bool = False
   max_sampling_rounds: int = 3
@@ -121,6 +122,33 @@ def decode_slots(rl: RolloutConfig, model_config, *, prompt_len: int, mesh=None,
         f"than the {step} that split over {shards} batch shards and {procs} "
         "processes; raise the budget")
   return (total - total % step) // procs
+
+
+def narrow_prompts(ids_NxP: np.ndarray, mask_NxP: np.ndarray, multiple: int, *,
+                   pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """The prompts left-padded to the longest one of the global batch, rounded up
+  to a multiple of ``multiple`` (never wider than ``P``): ``(ids, mask)``.
+
+  Every real token is kept, in order, whatever the rows' padding side; only
+  columns of padding go. The update and the log-prob scorers then compute on
+  fewer padded positions (same sums: padding is masked out of attention), at
+  the cost of one compiled program per width a run meets. With several
+  processes the width is agreed over all of them (the batch is one array).
+  """
+  if multiple < 1:
+    raise ValueError(f"rl.prompt_pad_multiple={multiple}: expected a positive multiple "
+                     "(0 turns narrowing off before this is called)")
+  N, P = ids_NxP.shape
+  real_NxP = mask_NxP != 0
+  longest = int(allgather(np.array([real_NxP.sum(axis=1).max(initial=0)])).max())
+  width = min(P, max(1, -(-longest // multiple)) * multiple)
+  if width == P:
+    return ids_NxP, mask_NxP
+  # A stable sort on the mask puts each row's padding first and its tokens after, in order.
+  order_NxP = np.argsort(real_NxP, axis=1, kind="stable")[:, P - width:]
+  ids = np.take_along_axis(ids_NxP, order_NxP, axis=1)
+  mask = np.take_along_axis(mask_NxP, order_NxP, axis=1)
+  return np.where(mask != 0, ids, pad_id).astype(ids_NxP.dtype), mask
 
 
 @dataclasses.dataclass
@@ -245,6 +273,9 @@ def collect(model, task, *, position: int, key, rl: RolloutConfig, mesh=None,
   cat = lambda i: np.concatenate([g[i] for g in groups])
   prompt_ids = np.repeat(np.stack([g[0] for g in groups]), G, axis=0)
   prompt_mask = np.repeat(np.stack([g[1] for g in groups]), G, axis=0)
+  if rl.prompt_pad_multiple:
+    prompt_ids, prompt_mask = narrow_prompts(prompt_ids, prompt_mask, rl.prompt_pad_multiple,
+                                             pad_id=task.pad_id)
   tokens, sample_mask, logp = cat(2), cat(3), cat(4)
   rewards, correct, truncated = cat(5), cat(6), cat(7)
   reward_parts = {k: np.concatenate([g[8][k] for g in groups])
