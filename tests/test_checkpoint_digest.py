@@ -249,3 +249,51 @@ def test_a_damaged_kl_reference_is_refused_in_one_line(tmp_path):
   assert "\n" not in message and message.startswith(
       f"the KL reference policy under {tmp_path}/reference is damaged "
       "(digest mismatch: w shard [0:8,0:8])")
+
+
+def test_small_arrays_hashed_together_get_their_own_digests(monkeypatch):
+  """Uncut arrays of at most ``GROUP_MAX_ELEMENTS`` are hashed in one
+  concatenated pass: each gets exactly the digest and non-finite count that
+  hashing it alone gives (mixed dtypes, a scalar, an empty array, arrays
+  replicated over a mesh, one over an Explicit mesh axis, one cut)."""
+  rng = np.random.default_rng(5)
+  nan = rng.normal(size=(6, 5)).astype(np.float32)
+  nan[2, 1], nan[4, 0] = np.nan, -np.inf
+  auto = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  explicit = jax.make_mesh((1, 1, 8), ("data", "fsdp", "tensor"),
+                           axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+  P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+  tree = {
+      "w": jax.device_put(rng.normal(size=(4, 16, 8)).astype(np.float32),
+                          NS(auto, P())),
+      "cut": jax.device_put(rng.normal(size=(16, 8)).astype(np.float32),
+                            NS(auto, P("fsdp", "tensor"))),
+      "h": jax.device_put(jnp.asarray(rng.normal(size=(8, 3)), jnp.bfloat16),
+                          NS(auto, P(None, None))),
+      "nan": jax.device_put(nan, NS(auto, P())),
+      "n": jax.device_put(np.arange(7, dtype=np.int32), NS(auto, P())),
+      "u8": jax.device_put(np.arange(300, dtype=np.uint8), NS(auto, P())),
+      "flag": jax.device_put(np.array([True, False, True]), NS(auto, P())),
+      "step": jax.device_put(np.int32(11), NS(auto, P())),
+      "empty": jax.device_put(np.zeros((0, 4), np.float32), NS(auto, P())),
+  }
+  together = digest.digests(tree)
+  # The grouping is decided when the program is traced: a fresh one.
+  monkeypatch.setattr(digest, "GROUP_MAX_ELEMENTS", -1)
+  digest._jitted.cache_clear()
+  alone = digest.digests(tree)
+  digest._jitted.cache_clear()
+  assert together == alone
+  assert together["nan"].nonfinite == 2 and together["w"].nonfinite == 0
+  assert together["empty"].digest == "0" * 16
+  assert set(together["cut"].shards) == {"0:8,0:4", "0:8,4:8", "8:16,0:4",
+                                         "8:16,4:8"}
+  # An array laid out over an Explicit axis keeps its own pass (reshaping it
+  # would need the output's layout); the same digest as on one device.
+  x = rng.normal(size=(8, 8)).astype(np.float32)
+  on_explicit = digest.digests(
+      {"x": jax.device_put(x, NS(explicit, P(None, "data")))})
+  assert on_explicit["x"].digest == digest.digests(
+      {"x": jnp.asarray(x)})["x"].digest
+  assert digest._groups([jnp.zeros((3,))], [P(None, "data")], explicit) == []

@@ -72,9 +72,17 @@ def chunked_token_logprobs(hidden_NxTxE: jax.Array, head: jax.Array,
     logits_NxCxV = token_einsum(f"te,{head_axes}->tv", hidden_NxCxE, head,
                                 einsum=attention_lib.einsum_f32)
     z_NxCxV = logits_NxCxV.astype(f32) / temperature
-    lse_NxC = jax.nn.logsumexp(z_NxCxV, axis=-1)
-    logp_NxCxV = z_NxCxV - lse_NxC[..., None]
-    entropy_NxC = -jnp.sum(jnp.exp(logp_NxCxV) * logp_NxCxV, axis=-1)
+    # log-sum-exp and entropy from one exp of the shifted logits: with
+    # e = exp(z - max), s = sum(e), lse = max + log(s) and the entropy
+    # -sum(p log p) = log(s) - sum(e (z - max)) / s. (The max carries no
+    # gradient: neither value depends on it.)
+    max_NxC = jax.lax.stop_gradient(jnp.max(z_NxCxV, axis=-1))
+    zm_NxCxV = z_NxCxV - max_NxC[..., None]
+    e_NxCxV = jnp.exp(zm_NxCxV)
+    s_NxC = jnp.sum(e_NxCxV, axis=-1)
+    log_s_NxC = jnp.log(s_NxC)
+    lse_NxC = max_NxC + log_s_NxC
+    entropy_NxC = log_s_NxC - jnp.sum(e_NxCxV * zm_NxCxV, axis=-1) / s_NxC
     rows_NxCxE = head[tokens_NxC] if head_axes == "ve" else jnp.moveaxis(
         jnp.take(head, tokens_NxC, axis=1), 0, -1)
     # Products of 16-bit numbers are exact in float32: the same sum the matmul accumulates.

@@ -116,17 +116,79 @@ def _sharded(x, mesh, spec):
                        out_specs=(P(*entries, None), P()))(x)
 
 
+# Arrays the mesh does not cut and of at most this many elements are hashed
+# together: one concatenated pass and one segmented sum instead of a chain
+# of operations per array, which kept a small policy's state (86 arrays)
+# tracing and lowering for about 0.3 s at every first save.
+GROUP_MAX_ELEMENTS = 1 << 20
+_GROUP_TOTAL = 1 << 26  # elements per group: bounds its temporaries
+
+
+def _grouped_sums(xs):
+  """``_sums`` of each of ``xs`` (whole arrays), in one pass over their
+  concatenation: ``(lanes uint32 [len(xs), 2], nonfinite [len(xs)])``. The
+  same sums (addition mod 2**32 does not care about order), for a number of
+  traced operations that barely grows with the number of arrays."""
+  bits = jnp.concatenate([_bits(x).reshape(-1) for x in xs])
+  index = jnp.concatenate([jax.lax.iota(jnp.uint32, x.size) for x in xs])
+  segment = jnp.concatenate([jnp.full((x.size,), i, jnp.int32)
+                             for i, x in enumerate(xs)])
+  bad = jnp.concatenate([
+      (~jnp.isfinite(x) if jnp.issubdtype(x.dtype, jnp.inexact)
+       else jnp.zeros(x.shape, bool)).reshape(-1) for x in xs])
+  key = index * jnp.uint32(0x9E3779B1) + jnp.uint32(0x243F6A88)
+  h1 = _fmix32(bits ^ key)
+  h2 = h1 * (key | jnp.uint32(1))
+  sums = jax.ops.segment_sum(
+      jnp.stack([h1, h2, bad.astype(jnp.uint32)], axis=1), segment,
+      num_segments=len(xs), indices_are_sorted=True)
+  return sums[:, :2], sums[:, 2]
+
+
+def _auto_axes(spec, mesh) -> bool:
+  """Whether every mesh axis ``spec`` names is of type Auto (reshaping an
+  array laid out over an Explicit axis needs its output's layout)."""
+  if spec is None:
+    return True
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  return all(types[a] == jax.sharding.AxisType.Auto
+             for entry in spec for a in _axes(entry))
+
+
+def _groups(leaves, specs, mesh) -> list[list[int]]:
+  """Indices of the leaves hashed together (uncut, small), in groups of at
+  most ``_GROUP_TOTAL`` elements."""
+  groups, total = [[]], 0
+  for i, (x, spec) in enumerate(zip(leaves, specs)):
+    size = math.prod(np.shape(x))
+    if (size > GROUP_MAX_ELEMENTS or math.prod(_cuts(np.ndim(x), spec, mesh)) > 1
+        or not _auto_axes(spec, mesh)):
+      continue
+    if total + size > _GROUP_TOTAL:
+      groups.append([])
+      total = 0
+    groups[-1].append(i)
+    total += size
+  return [g for g in groups if g]
+
+
 def _program(leaves, specs, mesh):
   """Every leaf's shard sums, then its non-finite count, in one uint32
   vector (one transfer to the host, not two per array)."""
-  blocks, counts = [], []
-  for x, spec in zip(leaves, specs):
+  blocks, counts = [None] * len(leaves), [None] * len(leaves)
+  for group in _groups(leaves, specs, mesh):
+    lanes, count = _grouped_sums([leaves[i] for i in group])
+    for row, i in enumerate(group):
+      blocks[i], counts[i] = lanes[row], count[row].reshape(1)
+  for i, (x, spec) in enumerate(zip(leaves, specs)):
+    if blocks[i] is not None:
+      continue
     if spec is None:  # on one device (or not a NamedSharding): one block
       lanes, count = _sums(x, x.shape, [jnp.uint32(0)] * x.ndim)
     else:
       lanes, count = _sharded(x, mesh, spec)
-    blocks.append(lanes.reshape(-1))
-    counts.append(count.astype(jnp.uint32).reshape(1))
+    blocks[i] = lanes.reshape(-1)
+    counts[i] = count.astype(jnp.uint32).reshape(1)
   return jnp.concatenate(blocks + counts)
 
 
