@@ -59,6 +59,21 @@ def _bits(x):
   raise TypeError(f"no digest for dtype {x.dtype}")
 
 
+def _lanes(bits, index):
+  """Each element's two hash lanes from its bits and its index in the
+  global array (``_sums`` states the formula)."""
+  key = index * jnp.uint32(0x9E3779B1) + jnp.uint32(0x243F6A88)
+  h1 = _fmix32(bits ^ key)
+  return h1, h1 * (key | jnp.uint32(1))
+
+
+def _nonfinite_mask(x):
+  """True at NaN and inf (never for integer and bool arrays)."""
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return ~jnp.isfinite(x)
+  return jnp.zeros(x.shape, bool)
+
+
 def _sums(x, shape, offsets):
   """``(lanes uint32 [2], nonfinite int32)`` over ``x``, a block of an
   array of ``shape`` that starts at ``offsets`` (uint32, one per dimension).
@@ -74,11 +89,8 @@ def _sums(x, shape, offsets):
     stride = jnp.uint32(math.prod(shape[d + 1:]) % 2**32)
     index = index + (jax.lax.broadcasted_iota(jnp.uint32, x.shape, d)
                      + offset) * stride
-  key = index * jnp.uint32(0x9E3779B1) + jnp.uint32(0x243F6A88)
-  h1 = _fmix32(_bits(x) ^ key)
-  h2 = h1 * (key | jnp.uint32(1))
-  bad = (~jnp.isfinite(x) if jnp.issubdtype(x.dtype, jnp.inexact)
-         else jnp.zeros(x.shape, bool)).astype(jnp.int32)
+  h1, h2 = _lanes(_bits(x), index)
+  bad = _nonfinite_mask(x).astype(jnp.int32)
   zero = jnp.uint32(0)
   s1, s2, count = jax.lax.reduce(
       (h1, h2, bad), (zero, zero, jnp.int32(0)),
@@ -118,8 +130,8 @@ def _sharded(x, mesh, spec):
 
 # Arrays the mesh does not cut and of at most this many elements are hashed
 # together: one concatenated pass and one segmented sum instead of a chain
-# of operations per array, which kept a small policy's state (86 arrays)
-# tracing and lowering for about 0.3 s at every first save.
+# of operations per array, which kept the default job's state (43 arrays)
+# tracing and lowering for about 0.3 s at a run's first save.
 GROUP_MAX_ELEMENTS = 1 << 20
 _GROUP_TOTAL = 1 << 26  # elements per group: bounds its temporaries
 
@@ -133,12 +145,8 @@ def _grouped_sums(xs):
   index = jnp.concatenate([jax.lax.iota(jnp.uint32, x.size) for x in xs])
   segment = jnp.concatenate([jnp.full((x.size,), i, jnp.int32)
                              for i, x in enumerate(xs)])
-  bad = jnp.concatenate([
-      (~jnp.isfinite(x) if jnp.issubdtype(x.dtype, jnp.inexact)
-       else jnp.zeros(x.shape, bool)).reshape(-1) for x in xs])
-  key = index * jnp.uint32(0x9E3779B1) + jnp.uint32(0x243F6A88)
-  h1 = _fmix32(bits ^ key)
-  h2 = h1 * (key | jnp.uint32(1))
+  bad = jnp.concatenate([_nonfinite_mask(x).reshape(-1) for x in xs])
+  h1, h2 = _lanes(bits, index)
   sums = jax.ops.segment_sum(
       jnp.stack([h1, h2, bad.astype(jnp.uint32)], axis=1), segment,
       num_segments=len(xs), indices_are_sorted=True)
