@@ -79,6 +79,29 @@ def _batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0):
           jnp.asarray(rng.integers(0, vocab, (rows, response)) * r_mask, jnp.int32), jnp.asarray(r_mask))
 
 
+def time_sides(sides: dict, steps: int) -> dict:
+  """Alternates `steps` timed calls of each side's compiled gradient (`fn(params)`), so a change
+  in the host's load hits every side; each side gets its `median` seconds, and the result the
+  largest gradient difference between the first two sides (and the largest gradient)."""
+  for side in sides.values():
+    side["times"] = []
+  for _ in range(steps):
+    for side in sides.values():
+      start = time.perf_counter()
+      jax.block_until_ready(side["fn"](side["params"]))
+      side["times"].append(time.perf_counter() - start)
+  a, b = list(sides.values())[:2]
+  diff = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a["grads"]),
+                                                             jax.tree.leaves(b["grads"])))
+  scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(a["grads"]))
+  for side in sides.values():
+    side["median"] = float(np.median(side["times"]))
+    del side["fn"], side["params"], side["grads"]
+  names = list(sides)
+  return dict(sides=sides, ratio=sides[names[1]]["median"] / sides[names[0]]["median"],
+              grad_diff=diff, grad_scale=scale)
+
+
 def compare(name: str, spec: dict, steps: int) -> dict:
   config = spec["config"]
   model = Decoder(config, rngs=nnx.Rngs(0))
@@ -88,67 +111,64 @@ def compare(name: str, spec: dict, steps: int) -> dict:
                           ("rows x positions", two_axis_einsum)):
     start = time.perf_counter()
     fn, params, grads = _grad_fn(model, batch, form)
-    sides[form_name] = dict(fn=fn, params=params, grads=grads, times=[],
-                            compile_s=time.perf_counter() - start)
-  for _ in range(steps):
-    for side in sides.values():
-      start = time.perf_counter()
-      jax.block_until_ready(side["fn"](side["params"]))
-      side["times"].append(time.perf_counter() - start)
-  (a, b) = sides.values()
-  diff = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a["grads"]),
-                                                             jax.tree.leaves(b["grads"])))
-  scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(a["grads"]))
-  for side in sides.values():
-    side["median"] = float(np.median(side["times"]))
-    del side["fn"], side["params"], side["grads"]
-  names = list(sides)
+    sides[form_name] = dict(fn=fn, params=params, grads=grads, compile_s=time.perf_counter() - start)
   return dict(name=name, rows=spec["rows"], prompt=spec["prompt"], response=spec["response"],
-              config=config, sides=sides, ratio=sides[names[1]]["median"] / sides[names[0]]["median"],
-              grad_diff=diff, grad_scale=scale)
+              config=config, **time_sides(sides, steps))
 
 
-def to_markdown(results: list[dict], command: str, steps: int) -> str:
-  lines = ["# Dense products on one token axis vs rows x positions (update fwd+bwd)", "",
+def to_markdown(results: list[dict], command: str, steps: int, *, title: str, what: str) -> str:
+  """The results table: one row per shape, a column per side (the first is the ratio's
+  denominator), under `title` and the `what is timed` paragraph."""
+  names = list(results[0]["sides"])
+  lines = [f"# {title}", "",
            f"Produced by `{command}` on {datetime.date.today().isoformat()}. Machine: "
            f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, jax "
            f"{jax.__version__} on {jax.devices()[0].platform}; 1-minute load average at the end: "
-           f"{os.getloadavg()[0]:.1f}.", "",
-           "What is timed: the gradient of the summed response log-probs (`score_responses`, what "
-           "the train step differentiates) with respect to every parameter, for one mini-batch; "
-           f"both forms compiled first, then {steps} timed steps of each, alternating. Median "
-           "seconds per step; the ratio is rows x positions / one token axis (above 1: the token "
-           "axis is faster).", "",
-           "| shapes | mini-batch (rows x prompt + response) | one token axis (s) | rows x positions (s) "
-           "| ratio | max abs gradient difference (largest gradient) |",
-           "|---|---|---|---|---|---|"]
+           f"{os.getloadavg()[0]:.1f}.", "", what, "",
+           "| shapes | mini-batch (rows x prompt + response) | " + " | ".join(f"{n} (s)" for n in names)
+           + " | ratio | max abs gradient difference (largest gradient) |",
+           "|---|---|" + "---|" * len(names) + "---|---|"]
   for r in results:
-    a, b = r["sides"].values()
-    lines.append(f"| {r['name']} | {r['rows']} x {r['prompt']} + {r['response']} | {a['median']:.4f} "
-                 f"| {b['median']:.4f} | **{r['ratio']:.2f}x** | {r['grad_diff']:.1e} "
-                 f"({r['grad_scale']:.1e}) |")
+    times = " | ".join(f"{side['median']:.4f}" for side in r["sides"].values())
+    lines.append(f"| {r['name']} | {r['rows']} x {r['prompt']} + {r['response']} | {times} "
+                 f"| **{r['ratio']:.2f}x** | {r['grad_diff']:.1e} ({r['grad_scale']:.1e}) |")
   lines += ["", "Compile seconds: " + "; ".join(
       f"{r['name']}: " + ", ".join(f"{k} {v['compile_s']:.1f}" for k, v in r["sides"].items())
       for r in results), ""]
   return "\n".join(lines)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run(argv_name: str, default_out: str, compare_fn, *, title: str, what) -> None:
+  """The command line both benchmarks share: --steps, --only, --out; writes and prints the
+  table (`what(steps)`: the what-is-timed paragraph)."""
+  parser = argparse.ArgumentParser(description=title)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--only", default="", help="a substring of one shape's name")
-  parser.add_argument("--out", default="experiments/results/token_axis_bench.md")
+  parser.add_argument("--out", default=default_out)
   args = parser.parse_args()
-  results = [compare(name, spec, args.steps) for name, spec in SHAPES.items()
+  results = [compare_fn(name, spec, args.steps) for name, spec in SHAPES.items()
              if args.only in name]
-  command = f"python experiments/bench_token_axis.py --steps={args.steps} --out={args.out}"
+  command = f"python experiments/{argv_name} --steps={args.steps} --out={args.out}"
   if args.only:
     command += f" --only={args.only!r}"
-  text = to_markdown(results, command, args.steps)
+  text = to_markdown(results, command, args.steps, title=title, what=what(args.steps))
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(text)
   print(text)
+
+
+# The opening of both benchmarks' what-is-timed paragraph.
+TIMED = ("What is timed: the gradient of the summed response log-probs (`score_responses`, what the "
+         "train step differentiates) with respect to every parameter, for one mini-batch")
+
+
+def main():
+  run("bench_token_axis.py", "experiments/results/token_axis_bench.md", compare,
+      title="Dense products on one token axis vs rows x positions (update fwd+bwd)",
+      what=lambda steps: f"{TIMED}; both forms compiled first, then {steps} timed steps of each, "
+      "alternating. Median seconds per step; the ratio is rows x positions / one token axis "
+      "(above 1: the token axis is faster).")
 
 
 if __name__ == "__main__":

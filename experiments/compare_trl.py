@@ -29,8 +29,9 @@ them from the cache, as a fresh process of a repeated run does.
 
 ba_jax pads the update's prompts as the config says; ``--set`` /
 ``--real_set rl.prompt_pad_multiple=k`` pads them to the batch's longest
-rounded up to a multiple of k, as TRL pads to the batch's longest (each part's
-padding line in the results says which).
+rounded up to a multiple of k, as TRL pads to the batch's longest, and
+``rl.share_prompt=true`` computes each group's prompt once in the update (each
+part's padding line in the results says which).
 
 Part 2 ("real", ``--real_config``): the first ``--real_steps`` steps of that
 config in both trainers (no held-out evaluation): seconds per step, ratio.
@@ -206,7 +207,8 @@ def _settings(config) -> dict:
       heldout=config.eval.num_problems,
       samples_per_problem=config.eval.samples_per_problem,
       eval_temperature=config.eval.temperature, task=config.task.name,
-      model_dtype=config.model.dtype, prompt_pad_multiple=rl.prompt_pad_multiple)
+      model_dtype=config.model.dtype, prompt_pad_multiple=rl.prompt_pad_multiple,
+      share_prompt=rl.share_prompt)
 
 
 def _ended(meta: dict) -> dict:

@@ -77,14 +77,21 @@ UNMATCHED = [
 
 
 def _padding_line(st: dict) -> str:
-  """How ba_jax padded the update's prompts in a part (``rl.prompt_pad_multiple``)."""
+  """How ba_jax padded the update's prompts in a part (``rl.prompt_pad_multiple``)
+  and whether it computed them once per group (``rl.share_prompt``)."""
   k = st.get("prompt_pad_multiple", 0)
   if not k:
-    return ("ba_jax's update: prompts padded to `task.max_prompt_len` "
+    line = ("ba_jax's update: prompts padded to `task.max_prompt_len` "
             "(`rl.prompt_pad_multiple=0`).")
-  return (f"ba_jax's update: prompts padded to the batch's longest rounded up to a "
-          f"multiple of {k} (`rl.prompt_pad_multiple={k}`; TRL pads to the batch's "
-          "longest), responses to the budget.")
+  else:
+    line = (f"ba_jax's update: prompts padded to the batch's longest rounded up to a "
+            f"multiple of {k} (`rl.prompt_pad_multiple={k}`; TRL pads to the batch's "
+            "longest), responses to the budget.")
+  if st.get("share_prompt"):
+    line += (" Each group's prompt computed once in the update's forward and backward "
+             "pass, packed with the group's responses (`rl.share_prompt=true`; the same "
+             "sums, tests/test_shared_prompt.py); TRL runs every row's prompt.")
+  return line
 
 
 NOTES_MARKER = "<!-- hand-written notes below; kept when the script rewrites this file -->"

@@ -123,6 +123,9 @@ class Rl:
                                  "rounded up to a multiple of this (0: to task.max_prompt_len); "
                                  "a program per width met; same sums", check=at_least(0),
                                  free=True)
+  share_prompt: bool = key(False, "the update and scoring compute each group's prompt once, "
+                           "packed with its responses; same sums; responses' attention is one "
+                           "[T, P+T] score matrix per row", free=True)
   ppo_epochs: int = key(1, "passes over the batch per step", check=at_least(1))
   num_minibatches: int = key(2, "optimizer updates per epoch (whole groups each)",
                              check=at_least(1))

@@ -193,6 +193,44 @@ def attend(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, *, impl: str, block: int):
   raise ValueError(f"attention_impl={impl!r} is not supported; expected one of {IMPLS}")
 
 
+def attend_shared_prefix(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, *, prefix_len: int, group: int,
+                         impl: str, block: int):
+  """Causal attention over packed rows ``[prefix; suffix_1; ..; suffix_G]`` whose G suffixes each
+  continue the one prefix, as if each were its own row ``[prefix; suffix_g]``.
+
+  Row b's first ``prefix_len`` positions (P) are a prompt that the G responses of its group share;
+  the remaining ``G * T`` positions are those responses, T each. A prefix query sees the causal
+  prefix (the kernel ``impl`` names, as ``attend``); a suffix query sees every unmasked prefix key
+  and the unmasked keys of its own suffix up to itself, never another suffix. So each output equals
+  that of ``attend`` on the unpacked row ``[prefix; suffix_g]``, while the prefix's projections and
+  MLP are computed once for its group instead of G times (the packed layout is the caller's:
+  ``Decoder.hidden_states(shared_prefix=...)``). The suffixes' attention is one [T, P + T] score
+  matrix per row and head (`full_attention`), whatever ``impl`` is: meant for responses of up to a
+  few thousand tokens.
+  """
+  B, L, H, D = q_BxLxHxD.shape
+  P, G = prefix_len, group
+  if P < 1 or G < 1 or (L - P) % G:
+    raise ValueError(f"attend_shared_prefix: {L} positions do not split into a prefix of {P} and "
+                     f"{G} suffixes of equal length")
+  T = (L - P) // G
+  out_p = attend(q_BxLxHxD[:, :P], k_BxLxKxD[:, :P], v_BxLxKxD[:, :P], mask_BxL[:, :P],
+                 impl=impl, block=block)
+
+  def suffix_rows(x):  # [B, P + G*T, ...] -> [B*G, T, ...]
+    return x[:, P:].reshape(B * G, T, *x.shape[2:])
+
+  def with_prefix(x):  # [B*G, P + T, ...]: each suffix after its group's prefix
+    return jnp.concatenate([jnp.repeat(x[:, :P], G, axis=0), suffix_rows(x)], axis=1)
+
+  mask_NxS = with_prefix(mask_BxL)
+  causal_TxS = jnp.arange(P + T)[None, :] <= P + jnp.arange(T)[:, None]
+  allowed_NxTxS = causal_TxS[None] & (mask_NxS[:, None, :] == 1)
+  out_s = full_attention(suffix_rows(q_BxLxHxD), with_prefix(k_BxLxKxD), with_prefix(v_BxLxKxD),
+                         allowed_NxTxS)
+  return jnp.concatenate([out_p, out_s.reshape(B, G * T, H, D)], axis=1)
+
+
 def blockwise_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, block: int):
   """Causal grouped-query attention tile by tile with an online softmax (flash-attention style).
 

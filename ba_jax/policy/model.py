@@ -289,16 +289,22 @@ class Attention(nnx.Module):
     y = token_einsum("te,ehd->thd", x, kernel[...].astype(self.dtype)).astype(self.dtype)
     return y if bias is None else y + bias[...].astype(self.dtype)
 
-  def __call__(self, x_BxLxE, cos_BxLxD, sin_BxLxD, mask_BxL, cache_kv=None, index=None, allowed_BxLxS=None):
-    """Uncached: causal attention over `mask_BxL`. Cached: `allowed_BxLxS` says which cache slots
-    each new token sees; the new keys/values are written at slot `index`."""
+  def __call__(self, x_BxLxE, cos_BxLxD, sin_BxLxD, mask_BxL, cache_kv=None, index=None, allowed_BxLxS=None,
+               shared=None):
+    """Uncached: causal attention over `mask_BxL`, or with `shared=(P, G)` over packed rows of a
+    shared prefix and G suffixes (`attention.attend_shared_prefix`). Cached: `allowed_BxLxS` says
+    which cache slots each new token sees; the new keys/values are written at slot `index`."""
     q = self._project(x_BxLxE, self.q_proj, self.q_bias)
     k = self._project(x_BxLxE, self.k_proj, self.k_bias)
     v = self._project(x_BxLxE, self.v_proj, self.v_bias)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = apply_rope(q, cos_BxLxD, sin_BxLxD), apply_rope(k, cos_BxLxD, sin_BxLxD)
-    if cache_kv is None:
+    if cache_kv is None and shared is not None:
+      out, new_kv = attention_lib.attend_shared_prefix(
+          q, k, v, mask_BxL, prefix_len=shared[0], group=shared[1], impl=self.attention_impl,
+          block=self.attention_block), None
+    elif cache_kv is None:
       out, new_kv = attention_lib.attend(q, k, v, mask_BxL, impl=self.attention_impl,
                                          block=self.attention_block), None
     else:
@@ -336,8 +342,8 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt, c.param_dtype, rngs=rngs)
     self.mlp = MLP(c, rngs=rngs)
 
-  def __call__(self, x, cos, sin, mask, cache_kv=None, index=None, allowed=None):
-    h, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, index, allowed)
+  def __call__(self, x, cos, sin, mask, cache_kv=None, index=None, allowed=None, shared=None):
+    h, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, index, allowed, shared)
     x = x + h
     return x + self.mlp(self.post_attention_layernorm(x)), new_kv
 
@@ -421,12 +427,19 @@ class Decoder(nnx.Module):
                  for i in range(self.config.num_layers))
 
   def hidden_states(self, input_ids_BxL, attention_mask_BxL=None, *, positions_BxL=None,
-                    cache: KVCache | None = None, attention_mask=None, layers: tuple | None = None):
+                    cache: KVCache | None = None, attention_mask=None, layers: tuple | None = None,
+                    shared_prefix: tuple[int, int] | None = None):
     """The final-norm hidden states [B,L,E] that the LM head reads, and the updated cache (or None).
 
     `layers`: `self.layer_slices()` (or per-layer modules), taken once outside a decode loop; on the
     uncached path they run in an unrolled Python loop instead of the layer scan (the pre-scan program,
-    which `experiments/bench_model.py` times against the scan)."""
+    which `experiments/bench_model.py` times against the scan).
+
+    `shared_prefix=(P, G)` (uncached only): each row is packed as a prefix of P positions followed
+    by G suffixes of (L - P) / G positions that each continue it, e.g. a prompt and its group's
+    responses. Every suffix position gets the hidden state it would get in the row
+    `[prefix; suffix_g]` alone (`attention.attend_shared_prefix`), and the prefix is computed once.
+    Default positions count from the prefix's first real token and continue into each suffix."""
     if attention_mask is not None:
       if attention_mask_BxL is not None:
         raise ValueError("pass the attention mask once, as attention_mask_BxL or attention_mask, not both")
@@ -441,6 +454,19 @@ class Decoder(nnx.Module):
                 else jnp.asarray(attention_mask_BxL).astype(jnp.int32))
     if mask_BxL.shape != (B, L):
       raise ValueError(f"attention_mask shape {mask_BxL.shape} does not match input_ids shape {(B, L)}")
+    if shared_prefix is not None:
+      P, G = shared_prefix
+      if cache is not None:
+        raise ValueError("shared_prefix is for the uncached forward; the KV cache holds one row per sequence")
+      if not (isinstance(P, int) and isinstance(G, int) and 1 <= P <= L and G >= 1 and (L - P) % G == 0):
+        raise ValueError(f"shared_prefix={shared_prefix!r}: expected (P, G) with L - P = {L} - P split into "
+                         "G equal suffixes")
+      if positions_BxL is None:
+        prefix_B = jnp.sum(mask_BxL[:, :P], axis=1)
+        suffix_BxGxT = mask_BxL[:, P:].reshape(B, G, (L - P) // G)
+        positions_BxL = jnp.maximum(jnp.concatenate([
+            jnp.cumsum(mask_BxL[:, :P], axis=1),
+            (prefix_B[:, None, None] + jnp.cumsum(suffix_BxGxT, axis=2)).reshape(B, L - P)], axis=1) - 1, 0)
     if cache is not None:
       kv_cache_lib.check_capacity(cache, L)
       new_mask_BxS, allowed, already_B = kv_cache_lib.extend(cache, mask_BxL)
@@ -461,14 +487,14 @@ class Decoder(nnx.Module):
       layers = [nnx.merge(*nnx.split(layer)) for layer in layers]
     if cache is None and layers is not None:  # unrolled: one program body per layer
       for layer in layers:
-        x, _ = _remat(lambda x, layer=layer: layer(x, cos, sin, mask_BxL), c.remat)(x)
+        x, _ = _remat(lambda x, layer=layer: layer(x, cos, sin, mask_BxL, shared=shared_prefix), c.remat)(x)
         x = sharding_lib.constrain(x, RESIDUAL_AXES)
       new_cache = None
     elif cache is None:
       graphdef, layer_state = nnx.split(self.layers)
 
       def body(x, state):
-        x, _ = nnx.merge(graphdef, state)(x, cos, sin, mask_BxL)
+        x, _ = nnx.merge(graphdef, state)(x, cos, sin, mask_BxL, shared=shared_prefix)
         return sharding_lib.constrain(x, RESIDUAL_AXES), None
 
       # Remat only pays in a backward pass; the cached (sampling) path has none.

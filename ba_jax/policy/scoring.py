@@ -99,9 +99,28 @@ def chunked_token_logprobs(hidden_NxTxE: jax.Array, head: jax.Array,
   return unchunk(logp_nxNxC), unchunk(entropy_nxNxC)
 
 
+def _grouped_hidden(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
+                    response_mask_NxT, group: int):
+  """The hidden states [N, T, E] that predict each response token, from one
+  packed row `[prompt; response_1; ..; response_G]` per group of G rows (the
+  prompts left-justified)."""
+  N, P = prompt_ids_NxP.shape
+  T = response_ids_NxT.shape[1]
+  B, G = N // group, group
+  ids_BxL = jnp.concatenate([prompt_ids_NxP[::G], response_ids_NxT.reshape(B, G * T)], axis=1)
+  mask_BxL = jnp.concatenate([prompt_mask_NxP[::G], response_mask_NxT.reshape(B, G * T)], axis=1)
+  hidden_BxLxE, _ = model.hidden_states(ids_BxL, mask_BxL, shared_prefix=(P, G))
+  E = hidden_BxLxE.shape[-1]
+  # Token 0 of every response is predicted by the prompt's last position, token
+  # t > 0 by its own response's position t - 1.
+  last_BxGx1xE = jnp.broadcast_to(hidden_BxLxE[:, None, P - 1:P], (B, G, 1, E))
+  own_BxGxTxE = hidden_BxLxE[:, P:].reshape(B, G, T, E)
+  return jnp.concatenate([last_BxGx1xE, own_BxGxTxE[:, :, :T - 1]], axis=2).reshape(N, T, E)
+
+
 def score_responses(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
                     response_mask_NxT, *, temperature: float = 1.0,
-                    chunk: int | None = None):
+                    chunk: int | None = None, prompt_group: int = 1):
   """Scores responses with one forward pass over `[prompt; response]`.
 
   Args:
@@ -113,6 +132,12 @@ def score_responses(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
       at temperature 0) carry log-probs at temperature 1.0, so score them so.
     chunk: response positions per LM-head chunk; default
       `model.config.logprob_chunk` (config key `model.logprob_chunk`).
+    prompt_group: G > 1 when the rows come in consecutive groups of G that
+      share one prompt (a GRPO batch, group-major): the first row's prompt
+      stands for its group and the forward pass computes it once per group,
+      packed with the group's G responses (`Decoder.hidden_states`'s
+      `shared_prefix`). The same values as G = 1 up to float rounding, with
+      the prompt's share of the work divided by G. N must be a multiple of G.
 
   Returns:
     `(logp_NxT, entropy_NxT)`, float32: the log-probability of each response
@@ -138,6 +163,9 @@ def score_responses(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
         f" same N, got {prompt_ids_NxP.shape} and {response_ids_NxT.shape}")
   P = prompt_ids_NxP.shape[1]
   T = response_ids_NxT.shape[1]
+  if not isinstance(prompt_group, int) or prompt_group < 1 or prompt_ids_NxP.shape[0] % prompt_group:
+    raise ValueError(f"score_responses: prompt_group={prompt_group!r} must be a positive int dividing the "
+                     f"{prompt_ids_NxP.shape[0]} rows (consecutive rows of a group share a prompt)")
   prompt_ids_NxP, prompt_mask_NxP = left_justify(prompt_ids_NxP,
                                                  prompt_mask_NxP)
   response_mask_NxT = (response_mask_NxT != 0).astype(jnp.int32)
@@ -147,12 +175,16 @@ def score_responses(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
   chunk = model.config.logprob_chunk if chunk is None else chunk
   if not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"score_responses: chunk must be a positive int (tokens per LM-head chunk), got {chunk!r}")
-  hidden_NxLxE, _ = model.hidden_states(ids_NxL, mask_NxL)
-  # The hidden state at column P-1+t predicts response token t.
+  # The hidden state at column P-1+t of [prompt; response] predicts response token t.
+  if prompt_group == 1:
+    hidden_NxLxE, _ = model.hidden_states(ids_NxL, mask_NxL)
+    hidden_NxTxE = hidden_NxLxE[:, P - 1:P - 1 + T]
+  else:
+    hidden_NxTxE = _grouped_hidden(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
+                                   response_mask_NxT, prompt_group)
   head, head_axes = model.head_operand()
   logp_NxT, entropy_NxT = chunked_token_logprobs(
-      hidden_NxLxE[:, P - 1:P - 1 + T], head, response_ids_NxT,
-      temperature, chunk, head_axes)
+      hidden_NxTxE, head, response_ids_NxT, temperature, chunk, head_axes)
   keep_NxT = response_mask_NxT == 1
   return (jnp.where(keep_NxT, logp_NxT, 0.0),
           jnp.where(keep_NxT, entropy_NxT, 0.0))

@@ -23,7 +23,8 @@ def step_config(cfg: schema.RunConfig) -> ts.StepConfig:
       max_response_len=loss.max_response_len or rl.max_new_tokens,
       ba_denominator=loss.ba_denominator, ba_scope=loss.ba_scope,
       ppo_epochs=rl.ppo_epochs, num_minibatches=rl.num_minibatches,
-      num_microbatches=rl.num_microbatches, temperature=rl.temperature)
+      num_microbatches=rl.num_microbatches, temperature=rl.temperature,
+      share_prompt=rl.share_prompt)
 
 
 def validate(config: schema.RunConfig, mesh) -> ts.StepConfig:

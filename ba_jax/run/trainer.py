@@ -52,12 +52,14 @@ class StopReason(enum.StrEnum):
   NONFINITE = "nonfinite"  # rl.max_nonfinite bad updates in a row
 
 
-def score_logp(params, batch, *, graphdef, temperature: float):
+def score_logp(params, batch, *, graphdef, temperature: float, prompt_group: int = 1):
   """Log-probs [N, T] of a batch's responses under ``params``: the
-  program behind recomputed old log-probs and the KL reference's."""
+  program behind recomputed old log-probs and the KL reference's
+  (``prompt_group``: see ``score_responses``)."""
   logp, _ = score_responses(nnx.merge(graphdef, params), batch["prompt_ids"],
                             batch["prompt_mask"], batch["response_ids"],
-                            batch["response_mask"], temperature=temperature)
+                            batch["response_mask"], temperature=temperature,
+                            prompt_group=prompt_group)
   return logp
 
 
@@ -243,14 +245,15 @@ def _loop(r: _Run, state, meta) -> dict:
                               cfg=setup.step_cfg,
                               state_sharding=setup.state_sharding,
                               mesh=setup.mesh, rules=setup.rules)
+  group = setup.step_cfg.prompt_group
   score = compiling.jit(lambda p, b: score_logp(p, b, graphdef=setup.graphdef,
-                                                temperature=rl.temperature))
+                                                temperature=rl.temperature, prompt_group=group))
   ref_params = None
   if c.loss.kl_coef > 0 and setup.lora:
     # The reference is the base: the same weights with the adapters off.
     score_ref = compiling.jit(lambda p, b: score_logp(
         lora_lib.adapters_off(p), b, graphdef=setup.graphdef,
-        temperature=rl.temperature))
+        temperature=rl.temperature, prompt_group=group))
   elif c.loss.kl_coef > 0:  # the policy at RL step 0 is the reference
     ref_params = checkpointing.reference_params(
         r.workdir, state.params if meta.get("fresh") else None,

@@ -348,7 +348,8 @@ def _dry_run_score(setup, params_in, batch_in, platform) -> dict:
   """The trainer's scoring program (old or reference log-probs)."""
   fn = jax.jit(functools.partial(
       trainer.score_logp, graphdef=setup.graphdef,
-      temperature=setup.step_cfg.temperature))
+      temperature=setup.step_cfg.temperature,
+      prompt_group=setup.step_cfg.prompt_group))
   keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
   return _compile(fn.lower(params_in, {k: batch_in[k] for k in keys}),
                   platform)

@@ -55,7 +55,8 @@ SCHEMA_KEYS = {
     "max_response_len": "loss.max_response_len",
     "ba_denominator": "loss.ba_denominator", "ba_scope": "loss.ba_scope",
     "ppo_epochs": "rl.ppo_epochs", "num_minibatches": "rl.num_minibatches",
-    "num_microbatches": "rl.num_microbatches", "temperature": "rl.temperature"}
+    "num_microbatches": "rl.num_microbatches", "temperature": "rl.temperature",
+    "share_prompt": "rl.share_prompt"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,14 @@ class StepConfig:
   num_minibatches: int = 1
   num_microbatches: int = 1
   temperature: float = 1.0
+  # Each group's prompt computed once in the forward pass (score_responses'
+  # prompt_group): micro-batches must then hold whole groups.
+  share_prompt: bool = False
+
+  @property
+  def prompt_group(self) -> int:
+    """``score_responses``' prompt_group: the group size when prompts are shared, else 1."""
+    return self.group_size if self.share_prompt else 1
 
   def __post_init__(self):
     for name, dotted in SCHEMA_KEYS.items():
@@ -99,6 +108,13 @@ class StepConfig:
       raise ValueError(
           f"mini-batch of {rows} rows does not split into "
           f"rl.num_microbatches={k} micro-batches")
+    if self.share_prompt and (rows // k) % (g * data_shards):
+      raise ValueError(
+          f"rl.share_prompt=True: a micro-batch of {rows // k} rows must hold "
+          f"whole groups of rl.group_size={g} that split over the "
+          f"{data_shards} devices of the batch mesh axes (data x fsdp); "
+          f"choose prompts_per_step / (num_minibatches * num_microbatches) "
+          f"divisible by {data_shards}, or set rl.share_prompt=False")
     if (rows // k) % data_shards:
       raise ValueError(
           f"micro-batch of {rows // k} rows does not split over the "
@@ -152,7 +168,8 @@ def _loss_fn(params, micro, *, graphdef, cfg: StepConfig):
   model = nnx.merge(graphdef, params)
   logp_NxT, entropy_NxT = score_responses(
       model, micro["prompt_ids"], micro["prompt_mask"], micro["response_ids"],
-      micro["response_mask"], temperature=cfg.temperature)
+      micro["response_mask"], temperature=cfg.temperature,
+      prompt_group=cfg.prompt_group)
   return losses.policy_loss(
       logp_NxT, micro["old_logp"], micro["advantages"], micro["response_mask"],
       group_size=cfg.group_size, aggregation=cfg.aggregation,
