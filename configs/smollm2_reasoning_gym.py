@@ -15,6 +15,10 @@ instruction to give the final number only; the answer is the last number of
 the response, scored by the dataset's own ``score_answer`` (a response with
 no number scores 0 and counts as a format failure). SmolLM2 ignores
 reasoning-gym's own <answer>-tag instruction, hence this prompt.
+``--config.rl.share_prompt=true`` computes each group's prompt once in the
+update (the same sums; 16 s instead of 27 s an update on a 2-core host,
+experiments/results/compare_trl_shared_prompt.md); the committed results of
+this config ran without it.
 Variants (comma separated after the colon):
 
     --config=configs/smollm2_reasoning_gym.py:runlocal    seconds-scale: a
