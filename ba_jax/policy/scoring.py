@@ -99,16 +99,16 @@ def chunked_token_logprobs(hidden_NxTxE: jax.Array, head: jax.Array,
   return unchunk(logp_nxNxC), unchunk(entropy_nxNxC)
 
 
-def _grouped_hidden(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
-                    response_mask_NxT, group: int):
+def _grouped_hidden(model, prompt_ids_BxP, prompt_mask_BxP, response_ids_NxT,
+                    response_mask_NxT):
   """The hidden states [N, T, E] that predict each response token, from one
-  packed row `[prompt; response_1; ..; response_G]` per group of G rows (the
-  prompts left-justified)."""
-  N, P = prompt_ids_NxP.shape
-  T = response_ids_NxT.shape[1]
-  B, G = N // group, group
-  ids_BxL = jnp.concatenate([prompt_ids_NxP[::G], response_ids_NxT.reshape(B, G * T)], axis=1)
-  mask_BxL = jnp.concatenate([prompt_mask_NxP[::G], response_mask_NxT.reshape(B, G * T)], axis=1)
+  packed row `[prompt; response_1; ..; response_G]` per group (B prompts,
+  left-justified; N = B x G responses, group-major)."""
+  B, P = prompt_ids_BxP.shape
+  N, T = response_ids_NxT.shape
+  G = N // B
+  ids_BxL = jnp.concatenate([prompt_ids_BxP, response_ids_NxT.reshape(B, G * T)], axis=1)
+  mask_BxL = jnp.concatenate([prompt_mask_BxP, response_mask_NxT.reshape(B, G * T)], axis=1)
   hidden_BxLxE, _ = model.hidden_states(ids_BxL, mask_BxL, shared_prefix=(P, G))
   E = hidden_BxLxE.shape[-1]
   # Token 0 of every response is predicted by the prompt's last position, token
@@ -166,22 +166,21 @@ def score_responses(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
   if not isinstance(prompt_group, int) or prompt_group < 1 or prompt_ids_NxP.shape[0] % prompt_group:
     raise ValueError(f"score_responses: prompt_group={prompt_group!r} must be a positive int dividing the "
                      f"{prompt_ids_NxP.shape[0]} rows (consecutive rows of a group share a prompt)")
-  prompt_ids_NxP, prompt_mask_NxP = left_justify(prompt_ids_NxP,
-                                                 prompt_mask_NxP)
-  response_mask_NxT = (response_mask_NxT != 0).astype(jnp.int32)
-  response_ids_NxT = response_ids_NxT.astype(jnp.int32)
-  ids_NxL = jnp.concatenate([prompt_ids_NxP, response_ids_NxT], axis=1)
-  mask_NxL = jnp.concatenate([prompt_mask_NxP, response_mask_NxT], axis=1)
   chunk = model.config.logprob_chunk if chunk is None else chunk
   if not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"score_responses: chunk must be a positive int (tokens per LM-head chunk), got {chunk!r}")
+  response_mask_NxT = (response_mask_NxT != 0).astype(jnp.int32)
+  response_ids_NxT = response_ids_NxT.astype(jnp.int32)
+  # The first row of each group stands for its prompt (every row when G = 1).
+  prompt_ids, prompt_mask = left_justify(prompt_ids_NxP[::prompt_group],
+                                         prompt_mask_NxP[::prompt_group])
   # The hidden state at column P-1+t of [prompt; response] predicts response token t.
   if prompt_group == 1:
-    hidden_NxLxE, _ = model.hidden_states(ids_NxL, mask_NxL)
+    hidden_NxLxE, _ = model.hidden_states(jnp.concatenate([prompt_ids, response_ids_NxT], axis=1),
+                                          jnp.concatenate([prompt_mask, response_mask_NxT], axis=1))
     hidden_NxTxE = hidden_NxLxE[:, P - 1:P - 1 + T]
   else:
-    hidden_NxTxE = _grouped_hidden(model, prompt_ids_NxP, prompt_mask_NxP, response_ids_NxT,
-                                   response_mask_NxT, prompt_group)
+    hidden_NxTxE = _grouped_hidden(model, prompt_ids, prompt_mask, response_ids_NxT, response_mask_NxT)
   head, head_axes = model.head_operand()
   logp_NxT, entropy_NxT = chunked_token_logprobs(
       hidden_NxTxE, head, response_ids_NxT, temperature, chunk, head_axes)
