@@ -140,7 +140,8 @@ def part_train(args, log) -> dict:
                   base, seed=args.seeds[0], loss=args.losses[0], steps=steps,
                   init_from=warm["dir"], eval_every=args.eval_every)),
               cells=cells, note=args.note, torch_threads=threads,
-              warm_cache=args.warm_cache)
+              warm_cache=args.warm_cache, margin=args.margin,
+              plan_sd=args.plan_sd)
 
 
 def part_real(args, log) -> dict:
@@ -262,6 +263,12 @@ def main(argv=None):
                       "(compilation_cache_dir under --workdir), filled by an "
                       "untimed 1-step run: in part 1 for each loss type "
                       "before its first pair, in part 2 before its run")
+  p.add_argument("--margin", type=float, default=0.0,
+                 help="part 1: a non-inferiority margin of held-out accuracy, "
+                 "stated before the runs (0: no such test)")
+  p.add_argument("--plan_sd", type=float, default=0.0,
+                 help="with --margin: the SD of the paired differences "
+                 "expected (from an earlier run), for the protocol's power")
   p.add_argument("--workdir", default="/tmp/compare_trl")
   p.add_argument("--out", default="")
   p.add_argument("--torch_threads", type=int, default=0,
@@ -277,6 +284,9 @@ def main(argv=None):
   args.parts = [x for x in args.parts.split(",") if x]
   args.seeds = [int(x) for x in args.seeds.split(",")]
   args.losses = [x for x in args.losses.split(",") if x]
+  if args.margin < 0 or args.plan_sd < 0 or (args.plan_sd and not args.margin):
+    raise ValueError(f"--margin={args.margin} --plan_sd={args.plan_sd}: expected "
+                     "a margin >= 0 (0: no test) and a plan_sd >= 0 only with a margin")
   if args.quick:
     args.steps, args.seeds, args.losses = 2, [0], ["token"]
     args.eval_every, args.real_steps, args.matmul_n = 1, 2, 1024

@@ -80,3 +80,51 @@ def test_real_part_times_both_trainers_on_the_real_configs_code_path(tmp_path, m
     assert all(s["total"] > 0 and 0.0 <= s["reward"] <= 1.0 for s in run["steps"])
     assert 0 < run["rl_seconds"] <= run["run_seconds"]
   assert "## Part 2: the real model, first 2 steps of" in out.read_text()
+
+
+def _rows(accuracies):
+  """(seed, sampled, greedy, reward) rows as the report builds them."""
+  return [(s, a, 1.0 - a, 0.5) for s, a in enumerate(accuracies)]
+
+
+def test_accuracy_row_tests_non_inferiority_from_the_paired_differences():
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  import compare_trl_report as report  # pylint: disable=import-outside-toplevel
+  theirs = [0.50, 0.55, 0.48, 0.52, 0.60, 0.45]
+  diffs = np.array([0.01, -0.02, 0.0, 0.03, -0.01, 0.007])
+  ours = list(np.array(theirs) + diffs)
+  # The one-sided 95% lower bound of the mean difference, by hand.
+  low = diffs.mean() - stats.t.ppf(0.95, 5) * diffs.std(ddof=1) / np.sqrt(6)
+  half = stats.t.ppf(0.975, 5) * diffs.std(ddof=1) / np.sqrt(6)
+  assert -0.03 < low < -0.005
+  row = report._accuracy_verdict("token", _rows(ours), _rows(theirs), 0.03)
+  sampled = row.split(" | ")[1:4]
+  assert sampled[0] == (f"{diffs.mean():+.3f} [{diffs.mean() - half:+.3f}, "
+                        f"{diffs.mean() + half:+.3f}]")
+  assert sampled[2].startswith(f"lower bound {low:+.3f} vs -0.03")
+  assert sampled[2].endswith("**shown**")
+  # A margin the bound does not clear is reported as not shown.
+  tight = report._accuracy_verdict("token", _rows(ours), _rows(theirs), 0.005)
+  assert "lower bound" in tight and tight.split(" | ")[3].endswith("**NOT shown**")
+  # Without a margin the row has no non-inferiority column.
+  assert "lower bound" not in report._accuracy_verdict(
+      "token", _rows(ours), _rows(theirs))
+
+
+def test_noninferiority_plan_states_the_power_at_the_planning_sd():
+  import ablation_stats  # pylint: disable=import-outside-toplevel
+  import compare_trl_report as report  # pylint: disable=import-outside-toplevel
+  line = report.noninferiority_plan(0.03, 16, 0.04)
+  equal = ablation_stats.t_test_power(0.03, 16, 0.04, two_sided=False)
+  worse = ablation_stats.t_test_power(0.02, 16, 0.04, two_sided=False)
+  assert 0.5 < worse < equal < 1.0
+  assert f"{equal:.2f} when the two trainers are equal" in line
+  assert f"{worse:.2f} when ba_jax is 0.01 worse" in line
+  assert "over the 16 seeds is above -0.03" in line
+
+
+@pytest.mark.parametrize("flags", [["--plan_sd=0.04"], ["--margin=-0.01"]])
+def test_a_plan_sd_without_a_margin_or_a_negative_margin_is_refused(tmp_path, flags):
+  with pytest.raises(ValueError, match="--margin="):
+    compare_trl.main(flags + ["--report_only", f"--out={tmp_path / 'x.md'}"])
