@@ -253,3 +253,47 @@ def test_paper_config_task_sections_drive_the_dataset_task(tmp_path,
   assert rewards.tolist() == [config.task.correct_score,
                               config.task.incorrect_score]
   assert correct.tolist() == [True, False]
+
+
+def test_a_run_keeps_the_collector_off_its_long_lived_objects(tmp_path, monkeypatch):
+  """trainer.run freezes the objects alive at its start and, after the first
+  RL step, those that step made (its traced programs), so a full collection
+  does not rescan them; on return they go back to the collector."""
+  import gc  # pylint: disable=import-outside-toplevel
+  from ba_jax.run import rollout  # pylint: disable=import-outside-toplevel
+  config = tu.smoke_config(**{"sft.steps": 0, "rl.steps": 3, "log.backends": "",
+                              "checkpoint.every": 0})
+  frozen, real = [], rollout.collect
+  monkeypatch.setattr(rollout, "collect",
+                      lambda *a, **k: frozen.append(gc.get_freeze_count()) or real(*a, **k))
+  assert gc.get_freeze_count() == 0
+  out = trainer.run(config, str(tmp_path))
+  assert out["step"] == 3 and len(frozen) == 3
+  # Frozen at the start, and more after the first step (its programs).
+  assert 0 < frozen[0] < frozen[1]
+  assert gc.get_freeze_count() == 0
+
+
+def test_frozen_heap_collects_what_is_made_inside_and_leaves_a_callers_freeze():
+  import gc  # pylint: disable=import-outside-toplevel
+  import weakref  # pylint: disable=import-outside-toplevel
+
+  class Node:
+    pass
+
+  with trainer.FrozenHeap() as heap:
+    assert heap.active and gc.get_freeze_count() > 0
+    cycle = Node()
+    cycle.self = cycle
+    ref = weakref.ref(cycle)
+    del cycle
+    gc.collect()
+    assert ref() is None  # garbage made inside is collected as usual
+  assert gc.get_freeze_count() == 0
+  gc.freeze()  # a caller's own freeze (e.g. before forking)
+  try:
+    with trainer.FrozenHeap() as heap:
+      assert not heap.active
+    assert gc.get_freeze_count() > 0  # not unfrozen (that empties it)
+  finally:
+    gc.unfreeze()
