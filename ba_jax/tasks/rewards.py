@@ -176,7 +176,9 @@ def judge_extracted(raw: str | None, raw_truth: str, *, timeout_s: int | None = 
   literals are compared as integers, math-verify's verdict without its parse).
   `timeout_s` (math-verify's signal timeouts) only works on the main thread."""
   if timeout_s is None:  # the caller bounds the time; math-verify would warn on every parse
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    logger = logging.getLogger("math_verify")
+    if logger.level != logging.ERROR:  # setLevel clears every logger's cache: once is enough
+      logger.setLevel(logging.ERROR)
   answer = normalize_answer(raw) if raw is not None else None
   if not answer:
     return False, None
