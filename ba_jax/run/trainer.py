@@ -243,7 +243,7 @@ class FrozenHeap:
   through a run (``gc.freeze``): the modules, the model, JAX's caches and,
   after ``again``, the programs the first RL step traces. A full collection otherwise
   rescans all of them, a pause of about 0.3 s with torch and transformers
-  loaded, several times a run; objects made during the run are collected
+  loaded, once or twice in a 60-step tiny run; objects made during the run are collected
   as usual. On exit the frozen objects go back to the collector
   (``gc.unfreeze``). Inactive when the caller has frozen objects of its own,
   which stay as they are."""
