@@ -216,7 +216,7 @@ def report_train(part: dict) -> list[str]:
           "training reward: mean of the last 5 RL steps' batch reward.", "",
           "| loss | trainer | seed | sampled | greedy | final train reward "
           "|", "|---|---|---|---|---|---|"]
-  verdicts = []
+  verdicts, margin = [], part.get("margin", 0.0)
   for loss in losses:
     per = {}
     for name in ("ba_jax", "trl"):
@@ -239,15 +239,13 @@ def report_train(part: dict) -> list[str]:
                    f"{_mean(cols[2]):.3f} +- {_sd(cols[2]):.3f} | "
                    f"{_mean(cols[3]):.3f} +- {_sd(cols[3]):.3f} |")
     if per.get("ba_jax") and per.get("trl"):
-      verdicts.append(_accuracy_verdict(loss, per["ba_jax"], per["trl"],
-                                        part.get("margin", 0.0)))
+      verdicts.append(_accuracy_verdict(loss, per["ba_jax"], per["trl"], margin))
   before = [cells[k]["before"] for k in cells]
   if before:
     out += ["", "Before RL (the start policy, same evaluator): sampled "
             f"{_mean([b['heldout_acc_sampled'] for b in before]):.3f}, greedy "
             f"{_mean([b['heldout_acc_greedy'] for b in before]):.3f} (mean "
             "over the seeds' held-out sets)."]
-  margin = part.get("margin", 0.0)
   header = ("| loss | ours - TRL, sampled: mean [95% CI, paired by seed] | "
             "criterion (ours mean >= TRL mean - TRL sd) | ")
   if margin > 0:

@@ -267,7 +267,7 @@ class FrozenHeap:
       self.active = False
 
 
-def _loop(r: _Run, state, meta, heap: FrozenHeap | None = None) -> dict:
+def _loop(r: _Run, state, meta, heap: FrozenHeap) -> dict:
   """RL steps from ``state`` until ``rl.steps`` or a stop reason; ``heap``
   freezes again after the first step, whose programs live to the end."""
   setup = r.setup
@@ -324,7 +324,7 @@ def _loop(r: _Run, state, meta, heap: FrozenHeap | None = None) -> dict:
     # Wait for the update so that time_training is the update's own time.
     jax.block_until_ready(state.step)
     step += 1
-    if heap is not None and step == start + 1:
+    if step == start + 1:
       heap.again()
     t2 = time.perf_counter()
     samples = None
