@@ -8,8 +8,10 @@ of analysis is the per-seed difference ``d_i = A_i - B_i``.
   on ``d``, which is ``ttest_rel(a, b)``), with its confidence interval.
 * ``sign_test``: the exact sign test (scipy.stats.binomtest on the non-zero
   differences; ties are dropped, the usual convention).
-* ``noninferiority``: one-sided t-test of H0 ``mean(d) <= -margin`` against
-  H1 ``mean(d) > -margin`` (A is at most ``margin`` worse than B).
+* ``mean_above``: one-sided t-test of H0 ``mean(d) <= bound`` against H1
+  ``mean(d) > bound``, with the one-sided 95% lower bound of the mean.
+* ``noninferiority``: ``mean_above`` at ``-margin`` (A is at most
+  ``margin`` worse than B).
 * ``holm``: Holm's step-down adjustment over a named family of p-values
   (statsmodels is not a dependency; the procedure is ten lines).
 * ``min_detectable_difference``: the smallest true mean difference a paired
@@ -80,24 +82,35 @@ def sign_test(d, *, alternative: str = "two-sided") -> dict:
   return dict(n=len(d), wins=wins, losses=losses, ties=len(d) - wins - losses, p=p)
 
 
+def mean_above(d, bound: float) -> dict:
+  """One-sided t-test of H0 ``mean(d) <= bound`` against H1 ``mean(d) >
+  bound``. Returns n, mean, sd (ddof 1), t, p and ``low``, the one-sided 95%
+  lower bound of the mean (NaN where undefined: n < 2 or every value equal);
+  H0 is rejected at level 0.05 when ``low > bound``, i.e. ``p < 0.05``."""
+  d = _diffs(d)
+  n = len(d)
+  out = dict(n=n, bound=float(bound), mean=float(d.mean()) if n else math.nan,
+             sd=float(d.std(ddof=1)) if n > 1 else math.nan,
+             t=math.nan, p=math.nan, low=math.nan)
+  if n < 2 or not out["sd"] > 0:
+    return out
+  res = stats.ttest_1samp(d, bound, alternative="greater")
+  out.update(t=float(res.statistic), p=float(res.pvalue),
+             low=out["mean"] - stats.t.ppf(0.95, n - 1) * out["sd"] / math.sqrt(n))
+  return out
+
+
 def noninferiority(d, margin: float) -> dict:
   """One-sided test that A is not worse than B by ``margin`` or more:
   H0 ``mean(d) <= -margin`` vs H1 ``mean(d) > -margin``, ``d = A - B``
-  (higher is better). ``low`` is the one-sided 95% lower bound of the mean;
-  non-inferiority at level 0.05 is ``low > -margin``, i.e. ``p < 0.05``."""
+  (higher is better); ``mean_above(d, -margin)`` with the margin. ``low`` is
+  the one-sided 95% lower bound of the mean; non-inferiority at level 0.05
+  is ``low > -margin``, i.e. ``p < 0.05``."""
   if not margin > 0:
     raise ValueError(f"margin={margin!r}: expected a positive difference")
-  d = _diffs(d)
-  n = len(d)
-  out = dict(n=n, margin=float(margin), mean=float(d.mean()) if n else math.nan,
-             t=math.nan, p=math.nan, low=math.nan)
-  if n < 2 or not d.std(ddof=1) > 0:
-    return out
-  res = stats.ttest_1samp(d, -margin, alternative="greater")
-  se = d.std(ddof=1) / math.sqrt(n)
-  out.update(t=float(res.statistic), p=float(res.pvalue),
-             low=out["mean"] - stats.t.ppf(0.95, n - 1) * se)
-  return out
+  out = mean_above(d, -margin)
+  del out["bound"], out["sd"]
+  return dict(out, margin=float(margin))
 
 
 def holm(pvalues: Mapping[str, float], alpha: float = 0.05) -> dict[str, dict]:

@@ -141,7 +141,8 @@ def part_train(args, log) -> dict:
                   init_from=warm["dir"], eval_every=args.eval_every)),
               cells=cells, note=args.note, torch_threads=threads,
               warm_cache=args.warm_cache, margin=args.margin,
-              plan_sd=args.plan_sd)
+              plan_sd=args.plan_sd, speed_ratio=args.speed_ratio,
+              speed_plan_sd=args.speed_plan_sd)
 
 
 def part_real(args, log) -> dict:
@@ -269,6 +270,13 @@ def main(argv=None):
   p.add_argument("--plan_sd", type=float, default=0.0,
                  help="with --margin: the SD of the paired differences "
                  "expected (from an earlier run), for the protocol's power")
+  p.add_argument("--speed_ratio", type=float, default=0.0,
+                 help="part 1: test that ba_jax's whole run is at least this "
+                 "many times faster than TRL's (geometric mean over the pairs, "
+                 "one-sided 95%%), stated before the runs (0: no such test)")
+  p.add_argument("--speed_plan_sd", type=float, default=0.0,
+                 help="with --speed_ratio: the SD of the per-pair log ratios "
+                 "expected (from an earlier run), for the protocol's power")
   p.add_argument("--workdir", default="/tmp/compare_trl")
   p.add_argument("--out", default="")
   p.add_argument("--torch_threads", type=int, default=0,
@@ -287,6 +295,11 @@ def main(argv=None):
   if args.margin < 0 or args.plan_sd < 0 or (args.plan_sd and not args.margin):
     raise ValueError(f"--margin={args.margin} --plan_sd={args.plan_sd}: expected "
                      "a margin >= 0 (0: no test) and a plan_sd >= 0 only with a margin")
+  if (not (args.speed_ratio == 0 or args.speed_ratio > 1) or args.speed_plan_sd < 0
+      or (args.speed_plan_sd and not args.speed_ratio)):
+    raise ValueError(f"--speed_ratio={args.speed_ratio} --speed_plan_sd="
+                     f"{args.speed_plan_sd}: expected a ratio > 1 (0: no test) and a "
+                     "speed_plan_sd >= 0 only with a ratio")
   if args.quick:
     args.steps, args.seeds, args.losses = 2, [0], ["token"]
     args.eval_every, args.real_steps, args.matmul_n = 1, 2, 1024

@@ -82,6 +82,24 @@ def test_noninferiority_is_a_shifted_one_sided_t_test():
     st.noninferiority(d, 0.0)
 
 
+def test_mean_above_is_a_one_sided_t_test_against_the_bound():
+  rng = np.random.default_rng(3)
+  d = rng.normal(0.75, 0.04, 15)
+  bound = math.log(2)
+  out = st.mean_above(d, bound)
+  se = d.std(ddof=1) / math.sqrt(len(d))
+  t = (d.mean() - bound) / se
+  assert out["t"] == pytest.approx(t)
+  assert out["p"] == pytest.approx(stats.t.sf(t, len(d) - 1))
+  assert out["low"] == pytest.approx(d.mean() - stats.t.ppf(0.95, 14) * se)
+  assert out["sd"] == pytest.approx(d.std(ddof=1)) and out["n"] == 15
+  assert (out["low"] > bound) == (out["p"] < 0.05)
+  # below the bound: not rejected; one value or no spread: undefined
+  assert st.mean_above(d - 0.1, bound)["p"] > 0.5
+  assert math.isnan(st.mean_above(d[:1], bound)["low"])
+  assert math.isnan(st.mean_above(np.full(5, 0.8), bound)["p"])
+
+
 def test_min_detectable_difference_has_the_stated_power():
   n, sd = 20, 0.08
   mdd = st.min_detectable_difference(n, sd)

@@ -124,6 +124,44 @@ def test_noninferiority_plan_states_the_power_at_the_planning_sd():
   assert "over the 16 seeds is above -0.03" in line
 
 
+def test_speed_test_bounds_the_geometric_mean_of_the_pairs_ratios():
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  import compare_trl_report as report  # pylint: disable=import-outside-toplevel
+  # One pair below 2x (the every-pair rule fails), the mean well above it.
+  ratios = [2.05, 2.09, 2.27, 2.09, 1.999, 2.18, 2.08, 2.20, 2.19]
+  logs = np.log(ratios)
+  se = logs.std(ddof=1) / np.sqrt(len(logs))
+  low = np.exp(logs.mean() - stats.t.ppf(0.95, len(logs) - 1) * se)
+  assert 2.0 < low < np.exp(logs.mean())
+  line = report.speed_verdict(ratios, 2.0)
+  assert f"**{np.exp(logs.mean()):.3f}x**" in line
+  assert f"lower bound **{low:.3f}x**" in line
+  assert f"SD of the log ratios {logs.std(ddof=1):.3f}" in line
+  assert line.endswith("**shown**.")
+  # The same pairs do not show a floor the bound does not clear.
+  assert report.speed_verdict(ratios, 2.1).endswith("**NOT shown**.")
+
+
+def test_speed_plan_states_the_power_at_the_planning_sd():
+  import ablation_stats  # pylint: disable=import-outside-toplevel
+  import compare_trl_report as report  # pylint: disable=import-outside-toplevel
+  line = report.speed_plan(2.0, 15, 0.041)
+  powers = [ablation_stats.t_test_power(math.log(k), 15, 0.041, two_sided=False)
+            for k in (1.025, 1.05, 1.1)]
+  assert 0.5 < powers[0] < powers[1] < powers[2] <= 1.0
+  for k, power in zip((1.025, 1.05, 1.1), powers):
+    assert f"{power:.2f} when the true ratio is {2 * k:.2f}x" in line
+  assert "the 15 pairs' ratios (TRL / ba_jax) is above 2x" in line
+
+
+@pytest.mark.parametrize("flags", [["--speed_plan_sd=0.04"], ["--speed_ratio=0.5"],
+                                   ["--speed_ratio=2", "--speed_plan_sd=-1"]])
+def test_a_speed_plan_sd_without_a_ratio_or_a_ratio_not_above_1_is_refused(tmp_path, flags):
+  with pytest.raises(ValueError, match="--speed_ratio="):
+    compare_trl.main(flags + ["--report_only", f"--out={tmp_path / 'x.md'}"])
+
+
 @pytest.mark.parametrize("flags", [["--plan_sd=0.04"], ["--margin=-0.01"]])
 def test_a_plan_sd_without_a_margin_or_a_negative_margin_is_refused(tmp_path, flags):
   with pytest.raises(ValueError, match="--margin="):
