@@ -333,7 +333,7 @@ def speed_verdict(ratios, floor: float) -> str:
   from a t-test of H0 ``mean(log ratio) <= log(floor)``
   (``ablation_stats.mean_above``); shown when the bound is above ``floor``."""
   test = ablation_stats.mean_above([math.log(r) for r in ratios], math.log(floor))
-  low = math.exp(test["low"]) if test["low"] == test["low"] else math.nan
+  low = math.exp(test["low"])  # NaN (fewer than 2 pairs) stays NaN: not shown
   shown = low > floor
   return (f"Speed test (stated before the runs, `--speed_ratio={floor:g}`): "
           f"geometric mean of the {test['n']} pairs' whole-run ratios "
