@@ -126,7 +126,7 @@ ADD = {  # HumanEval/53, EvalPlus' rule
 
 # ----------------------------------------------------------------------------- 4. init
 KILL_INIT = ("import os, signal\nfor _s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, "
-             "signal.SIGUSR1, signal.SIGQUIT, signal.SIGALRM):\n    try:\n"
+             "signal.SIGUSR1, signal.SIGQUIT, signal.SIGALRM, signal.SIGSTOP, signal.SIGKILL):\n    try:\n"
              "        os.kill(1, _s)\n    except OSError:\n        pass\n")
 INIT = {
     "right": KILL_INIT + "import time\ntime.sleep(0.2)\n"  # the signals land while it runs

@@ -251,7 +251,7 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
         tempfile.TemporaryFile() as inp, tempfile.TemporaryFile() as result:
       program_fds = {"assert": [token_r, result.fileno()], "call": [result.fileno()],
                      "stdin": []}[mode]
-      config = {"uid": uid, "cpu_s": int(limits.cpu_time_s),
+      config = {"uid": uid, "caller_pid": os.getpid(), "cpu_s": int(limits.cpu_time_s),
                 "memory_bytes": int(limits.memory_mb) << 20,
                 "file_bytes": int(limits.max_file_mb) << 20,
                 "nproc": _nproc_limit(limits.max_processes), "workdir_bytes": workdir_bytes,
@@ -262,6 +262,8 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
                 "watchdog_bytes": None if cgroup else int(limits.memory_mb) << 20,
                 "harness": {"mode": mode, "guards": bool(limits.python_guards),
                             "token_fd": token_r, "result_fd": result.fileno(),
+                            "signal_filter": sandbox_seccomp.signal_program(
+                                sandbox_seccomp.syscalls()) if mode == "assert" else None,
                             "spec_file": _SPEC_FILE if mode != "stdin" else None,
                             "max_result_bytes": int(limits.max_result_mb) << 20}}
       env = {"PATH": "/usr/bin:/bin", "HOME": INSIDE, "TMPDIR": INSIDE, "LANG": "C.UTF-8",
