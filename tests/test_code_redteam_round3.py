@@ -10,9 +10,16 @@ wrong program 1 (or stalled the judge) before the fix it names:
   4. signals to the namespace's init (unprivileged): the init has no handler left to run,
      and its own errors never reach the run's stderr.
 Future rounds add a class as a dict of programs with a "right" entry, like those below."""
+import glob
+import json
+import math
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
+import numpy as np
 import pytest
 
 from ba_jax.tasks import code_data
@@ -63,7 +70,8 @@ SIGNALS_MBPP = {  # the MBPP+ script layout: the test loops over inputs at its t
 
 # ----------------------------------------------------------------------------- 2. infinity
 # Synthetic call tasks whose reference returns an infinity, compared by EvalPlus' rule.
-SAFE_LOG_PROMPT = "import math\n\n\ndef safe_log(x: float) -> float:\n    \"\"\"log(x); -inf at 0.\"\"\"\n"
+SAFE_LOG_PROMPT = ("import math\n\n\ndef safe_log(x: float) -> float:\n"
+                   "    \"\"\"log(x); -inf at 0.\"\"\"\n")
 SAFE_LOG = {
     "right": "    return math.log(x) if x > 0 else -math.inf\n",
     "finite_for_infinite": "    return math.log(x) if x > 0 else 0.0\n",
@@ -75,7 +83,8 @@ BOUNDS = {
     "right": "    return [min(xs), max(xs)] if xs else [math.inf, -math.inf]\n",
     "finite_in_a_list": "    return [min(xs), max(xs)] if xs else [0.0, 0.0]\n",
 }
-POLE_PROMPT = "import math\n\n\ndef pole(z: float) -> complex:\n    \"\"\"1/z as a complex; inf at 0.\"\"\"\n"
+POLE_PROMPT = ("import math\n\n\ndef pole(z: float) -> complex:\n"
+               "    \"\"\"1/z as a complex; inf at 0.\"\"\"\n")
 POLE = {
     "right": "    return complex(1 / z, 0.0) if z else complex(math.inf, 0.0)\n",
     "finite_complex": "    return complex(1 / z, 0.0) if z else complex(0.0, 0.0)\n",
@@ -92,8 +101,8 @@ def call_task(name, prompt, inputs, atol=0):
 
 # ----------------------------------------------------------------------------- 3. hashing
 # Ints that are multiples of 2**61 - 1 all hash to 0: a set or dict of many of them takes
-# quadratic time to build or compare. 150k of them took minutes in the judge.
-COLLIDING = "_M = 2 ** 61 - 1\n_COLLIDING = [k * _M for k in range(1, 150_001)]\n"
+# quadratic time to build or compare. 100k of them took over a minute in the judge.
+COLLIDING = "_M = 2 ** 61 - 1\n_COLLIDING = [k * _M for k in range(1, 100_001)]\n"
 # The program writes the call harness's result file itself, then leaves before the harness.
 FORGE = COLLIDING + """
 import json, os, stat
@@ -126,8 +135,9 @@ ADD = {  # HumanEval/53, EvalPlus' rule
 
 # ----------------------------------------------------------------------------- 4. init
 KILL_INIT = ("import os, signal\nfor _s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, "
-             "signal.SIGUSR1, signal.SIGQUIT, signal.SIGALRM, signal.SIGSTOP, signal.SIGKILL):\n    try:\n"
-             "        os.kill(1, _s)\n    except OSError:\n        pass\n")
+             "signal.SIGUSR1, signal.SIGQUIT, signal.SIGALRM, signal.SIGSTOP,\n"
+             "           signal.SIGKILL):\n    try:\n        os.kill(1, _s)\n"
+             "    except OSError:\n        pass\n")
 INIT = {
     "right": KILL_INIT + "import time\ntime.sleep(0.2)\n"  # the signals land while it runs
              "def incr_list(l):\n    return [x + 1 for x in l]\n",
@@ -190,3 +200,143 @@ def test_colliding_outputs_are_judged_quickly(mode, shared_dir):
   scores, _, elapsed = run_cases(mode, shared_dir, ("hashing",))
   # Six sandbox runs take a few seconds each at most; the quadratic judge took minutes.
   assert elapsed < 60, elapsed
+
+
+# ----------------------------------------------------------------------------- the rules' table
+def evalplus_reference(out, exp, atol):
+  """EvalPlus' own check (evalplus/eval/__init__.py, `unsafe_execute`): `==`; then, for float
+  outputs (atol 1e-6) or a task's atol, the same type and length and numpy.allclose."""
+  exact_match = out == exp
+  if atol == 0 and (isinstance(exp, float) or (isinstance(exp, (list, tuple)) and exp and
+                                               all(isinstance(i, float) for i in exp))):
+    atol = 1e-6
+  if not exact_match and atol != 0:
+    if type(out) != type(exp) or (isinstance(exp, (list, tuple)) and len(out) != len(exp)):
+      return False
+    return bool(np.allclose(out, exp, rtol=1e-07, atol=atol))
+  return bool(exact_match)
+
+
+def lcb_reference(prediction, expected):
+  """LiveCodeBench's call-based check (lcb_runner/evaluation/testing_util.py): a tuple is read
+  as a list, then `==`."""
+  return (list(prediction) if isinstance(prediction, tuple) else prediction) == expected
+
+
+INF, NAN = math.inf, math.nan
+# (output, expected): built anew per use, so no NaN is shared between the two (as when the
+# output comes back from the program's process).
+TABLE = [
+    lambda: (0.0, -INF), lambda: (1e308, INF), lambda: (INF, INF), lambda: (-INF, INF),
+    lambda: (float("nan"), float("nan")), lambda: (1.0, float("nan")),
+    lambda: (float("nan"), 1.0), lambda: (INF, float("nan")), lambda: (1.0 + 1e-9, 1.0),
+    lambda: ([0.0, 1.0], [-INF, 1.0]), lambda: ([INF, 1.0], [INF, 1.0 + 1e-9]),
+    lambda: ([float("nan")], [float("nan")]), lambda: ([[0.0]], [[INF]]),
+    lambda: ([[INF, 2.0]], [[INF, 2.0 + 1e-9]]), lambda: ((0.0,), (INF,)),
+    lambda: ((INF, 1.0), [INF, 1.0]), lambda: (complex(0, 0), complex(INF, 0)),
+    lambda: (complex(INF, 1), complex(INF, 1)), lambda: (complex(1, 1), complex(1, 1 + 1e-9)),
+    lambda: (complex(1, NAN), complex(1, NAN)), lambda: (10 ** 6, INF), lambda: (5, 5.0),
+    lambda: (-0.0, 0.0), lambda: ([1, 2.0], [1.0, 2]), lambda: ([INF, -INF], [INF, -INF])]
+
+
+@pytest.mark.parametrize("atol", [0, 1e-3])
+def test_non_finite_values_compare_as_evalplus_and_livecodebench_do(atol):
+  from ba_jax.sandboxing import outputs, sandbox_harness
+  for make in TABLE:
+    out, exp = make()
+    want = {"evalplus": evalplus_reference(out, exp, atol), "lcb": lcb_reference(out, exp),
+            "exact": out == exp}
+    # The output as the judge reads it: through the harness's plain data and `decode`.
+    wire = json.dumps({"outputs": [{"value": sandbox_harness.to_plain(out)}]}).encode()
+    [(_, decoded)] = outputs.decode(wire, 1)
+    for rule, expected in want.items():
+      for value in (out, decoded):
+        assert outputs.same(value, exp, rule, atol=atol) == expected, (rule, out, exp, atol)
+    if isinstance(exp, list) and all(isinstance(v, (int, float)) for v in exp):
+      # EvalPlus' set rule (`set(out) == set(exp)`, then its allclose step), on the same lists.
+      rule_set = set(out) == set(exp) or evalplus_reference(out, exp, atol)
+      assert outputs.same(decoded, exp, "set", atol=atol) == rule_set, (out, exp, atol)
+
+
+# ----------------------------------------------------------------------------- budgets
+def test_the_judge_has_budgets_and_a_sample_past_them_is_rejected_with_the_reason():
+  from ba_jax.sandboxing import outputs
+  M = 2 ** 61 - 1
+  colliding = ["set"] + [["int", hex(k * M)] for k in range(1, 20_001)]
+  wire = json.dumps({"outputs": [{"value": colliding}]}).encode()
+  [(_, decoded)] = outputs.decode(wire, 1)
+  assert len(decoded) == 20_000 and decoded == {k * M for k in range(1, 20_001)}
+  for budget, reason in ((outputs.Budget(nodes=1000), "judge_too_large"),
+                         (outputs.Budget(time_s=0.0), "judge_timeout")):
+    with pytest.raises(outputs.OverBudget) as raised:
+      outputs.decode(wire, 1, budget)
+    assert raised.value.reason == reason
+  nested = ["list"]
+  for _ in range(150):
+    nested = ["list", nested]
+  with pytest.raises(outputs.OverBudget) as raised:
+    outputs.decode(json.dumps({"outputs": [{"value": nested}]}).encode(), 1)
+  assert raised.value.reason == "judge_too_deep"
+  with pytest.raises(outputs.OverBudget):  # comparing has one too
+    outputs.same([k * M for k in range(1, 5000)], [1], "set", budget=outputs.Budget(nodes=100))
+  # End to end: the colliding set of `add` above, with a judge allowed 1 ms, is rejected.
+  from ba_jax.sandboxing import sandbox
+  from ba_jax.tasks import rewards
+  he = {e.entry_point: e for e in code_data.load_code_set("humanevalplus", str(CODE_DIR))}
+  programs = [code_data.program_for(he["add"], ADD[name])
+              for name in ("right", "colliding_set_forged")]
+  limits = sandbox.SandboxLimits(judge_time_s=0.001, wall_time_s=5.0)
+  batch = rewards.score_code(programs, [list(he["add"].tests)] * 2, limits=limits)
+  assert batch.scores.tolist() == [1.0, 0.0], batch.messages
+  assert batch.metrics()["reward/rejected/judge_timeout"] == 1.0
+  assert "judge_timeout" not in batch.messages[0] and "took over 0.001s" in batch.messages[1]
+
+
+# ----------------------------------------------------------------------------- a killed caller
+CALLER = """
+import sys
+from ba_jax.sandboxing import sandbox
+sandbox.run_program("import time\\nprint('started', flush=True)\\ntime.sleep(60)",
+                    limits=sandbox.SandboxLimits(wall_time_s=60, cpu_time_s=60))
+"""
+
+
+def test_a_caller_killed_mid_run_leaves_nothing_on_the_next_start(tmp_path):
+  from ba_jax.sandboxing import cgroups, sandbox
+  env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(
+      code_data.__file__))))
+  caller = subprocess.Popen([sys.executable, "-c", CALLER], env=env)
+  pattern = os.path.join(tempfile.gettempdir(), f"{cgroups.PREFIX}{caller.pid}_*")
+  deadline = time.monotonic() + 60
+  while not glob.glob(pattern) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  [workdir] = glob.glob(pattern)
+  time.sleep(1.0)  # the program is running
+  assert _processes_in(workdir)
+  caller.kill()
+  caller.wait()
+  deadline = time.monotonic() + 10
+  while _processes_in(workdir) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not _processes_in(workdir)  # the launcher died with its caller, the rest with it
+  next_start = subprocess.run(
+      [sys.executable, "-c", "from ba_jax.sandboxing import sandbox\n"
+       "print(sandbox.run_program('print(1)').stdout, end='')"],
+      env=env, capture_output=True, text=True, timeout=120)
+  assert next_start.stdout == "1\n", next_start.stderr
+  assert not glob.glob(pattern)
+  where = cgroups.hierarchy()
+  if where is not None:
+    assert not glob.glob(os.path.join(where.parent, f"{cgroups.PREFIX}{caller.pid}_*"))
+
+
+def _processes_in(workdir):
+  """Processes whose working directory is the run's host dir (its launcher)."""
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      if os.readlink(f"/proc/{pid}/cwd").startswith(workdir):
+        found.append(int(pid))
+    except OSError:
+      continue
+  return found
