@@ -19,6 +19,9 @@ holds without root:
     and SysV shared memory (`sandbox_seccomp`);
   * limits: RLIMIT_CPU/AS/FSIZE/NOFILE/CORE/NPROC/MSGQUEUE, no_new_privs, no
     capabilities, no new namespaces; as root also a fresh uid per run;
+  * signals: the namespace's init keeps no handler, so the program's signals to
+    it are dropped; in assertion runs the harness, once set up, adds a seccomp
+    filter refusing new signal handlers (`sandbox_seccomp.signal_program`);
   * Python-level guards (optional, on by default) as defence in depth.
 Where the kernel refuses any of this the sandbox refuses to run anything
 (`SandboxUnavailable`, with the reason); it never falls back to the guards. A
