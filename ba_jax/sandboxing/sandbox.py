@@ -28,8 +28,8 @@ Where the kernel refuses any of this the sandbox refuses to run anything
 sample that cannot run (files larger than /sandbox, text that is not UTF-8, a
 launcher that dies, outputs past the judge's budget) fails alone:
 `RunResult.rejected` says why. The launcher dies with its caller, and the first
-run of a process removes the temp dirs and cgroups of runs whose caller died. How tests are
-judged outside the program's reach is `judge`'s. The interpreter is this Python
+run of a process removes the temp dirs and cgroups of runs whose caller died.
+How tests are judged outside the program's reach is `judge`'s. The interpreter is this Python
 when a dropped uid can read its standard library, else the system python3
 (`sandbox_python`).
 """

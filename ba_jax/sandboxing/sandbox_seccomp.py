@@ -135,11 +135,11 @@ def signal_program(table: dict) -> list:
           _stmt(_RET_K, _RET_ALLOW)] + _null_argument(1) + _null_argument(0)
 
 
-def install(sockets: str = "unix", code: list | None = None) -> None:
-  """Installs the filter (or `code`, a filter program) on this thread, inherited by every
-  child; raises OSError/Unsupported. The assertion harness has its own copy of this."""
+def install(sockets: str = "unix") -> None:
+  """Installs the filter on this thread (inherited by every child); raises OSError/Unsupported.
+  The assertion harness installs `signal_program` with a copy of this."""
   table = syscalls()
-  code = program(table, sockets) if code is None else code
+  code = program(table, sockets)
 
   class SockFilter(ctypes.Structure):
     _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
