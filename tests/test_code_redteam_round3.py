@@ -9,6 +9,9 @@ wrong program 1 (or stalled the judge) before the fix it names:
      sets and dicts are compared through a sorted canonical encoding, under budgets;
   4. signals to the namespace's init (unprivileged): the init has no handler left to run,
      and its own errors never reach the run's stderr.
+Beside them: the comparison rules against EvalPlus' and LiveCodeBench's own checks on a table
+of non-finite cases, the judge's budgets (a sample past them is rejected with the reason),
+and a caller killed mid-run (nothing of its runs is left once the next process starts one).
 Future rounds add a class as a dict of programs with a "right" entry, like those below."""
 import glob
 import json
@@ -259,6 +262,7 @@ def test_non_finite_values_compare_as_evalplus_and_livecodebench_do(atol):
 
 
 # ----------------------------------------------------------------------------- budgets
+@pytest.mark.slow
 def test_the_judge_has_budgets_and_a_sample_past_them_is_rejected_with_the_reason():
   from ba_jax.sandboxing import outputs
   M = 2 ** 61 - 1
