@@ -1,6 +1,8 @@
-"""Math rewards graded per second: 10,000 responses through `RewardPool`, and in-process.
+"""Math rewards graded per second: 10,000 responses through `RewardPool`, and in-process;
+code rewards (`score_code`, in the sandbox) in seconds per sample on the fixture tasks.
 
     python experiments/bench_rewards.py [--n=10000] [--workers=2] [--out=experiments/results/rewards_bench.md]
+    python experiments/bench_rewards.py --skip_math --code_rounds=5 [--code_out=experiments/results/code_rewards_bench.md]
 
 Responses are ~1.5k characters of reasoning ending in an answer line (DAPO's
 "Answer:" rule) or a \\boxed{} answer: a mix of equal forms (1/2 vs 0.5),
@@ -8,6 +10,7 @@ wrong answers, missing answers, over typical ground truths (integers,
 fractions, radicals, intervals, tuples, polynomials).
 """
 import argparse
+import json
 import math
 import os
 import platform
@@ -85,6 +88,68 @@ def make_batch(n, rule, mix, seed=0):
   return responses, truths
 
 
+CODE_FIXTURES = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "code")
+
+
+def code_samples():
+  """Per HumanEval+/MBPP+ fixture task, its canonical solution (right) and the bare prompt
+  (a stub returning None: wrong), as `score_code` takes them."""
+  from ba_jax.tasks import code_data
+  programs, tests, right = [], [], []
+  for name in ("humanevalplus", "mbppplus"):
+    solutions = {}
+    with open(os.path.join(CODE_FIXTURES, f"{name}.jsonl")) as f:
+      for line in f:
+        record = json.loads(line)
+        solutions[record["task_id"]] = record["canonical_solution"]
+    for example in code_data.load_code_set(name, CODE_FIXTURES):
+      for response, is_right in ((solutions[example.task_id], True), ("", False)):
+        programs.append(code_data.program_for(example, response))
+        tests.append(list(example.tests))
+        right.append(is_right)
+  return programs, tests, right
+
+
+def code_rows(rounds):
+  """Seconds per sample of `score_code` (in-process, no pool): a first round that also runs
+  the references (cached after), then `rounds` timed rounds."""
+  from ba_jax.tasks import rewards
+  programs, tests, right = code_samples()
+  first = time.perf_counter()
+  batch = rewards.score_code(programs, tests)
+  first = time.perf_counter() - first
+  assert batch.correct.tolist() == right, batch.messages
+  times = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    batch = rewards.score_code(programs, tests)
+    times.append((time.perf_counter() - start) / len(programs))
+    assert batch.correct.tolist() == right, batch.messages
+  return len(programs), first / len(programs), times
+
+
+def write_code_table(args, samples, first, times):
+  mean = sum(times) / len(times)
+  spread = (sum((t - mean) ** 2 for t in times) / max(len(times) - 1, 1)) ** 0.5
+  lines = [
+      "# Code reward time per sample", "",
+      f"Command: `python experiments/bench_rewards.py --skip_math --code_rounds={args.code_rounds}`",
+      "", f"Machine: {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
+      f"Python {platform.python_version()}, 1-minute load average {os.getloadavg()[0]:.1f} at "
+      "the end (the cores were shared with other work).", "",
+      f"{samples} samples: per HumanEval+/MBPP+ fixture task (tests/fixtures/code) its canonical "
+      "solution and its bare prompt (wrong), scored by `rewards.score_code` in-process, "
+      "each sample's tests run in the sandbox.", "",
+      "| round | s per sample |", "|---|---:|",
+      f"| first (references run too) | {first:.3f} |"]
+  lines += [f"| {i + 1} | {t:.3f} |" for i, t in enumerate(times)]
+  lines += [f"| mean of the timed rounds (sd) | {mean:.3f} ({spread:.3f}) |"]
+  os.makedirs(os.path.dirname(args.code_out), exist_ok=True)
+  with open(args.code_out, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--n", type=int, default=10_000)
@@ -92,7 +157,15 @@ def main():
   parser.add_argument("--in_process_n", type=int, default=2_000)
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                     "rewards_bench.md"))
+  parser.add_argument("--skip_math", action="store_true")
+  parser.add_argument("--code_rounds", type=int, default=3, help="0: no code table")
+  parser.add_argument("--code_out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                         "code_rewards_bench.md"))
   args = parser.parse_args()
+  if args.code_rounds:
+    write_code_table(args, *code_rows(args.code_rounds))
+  if args.skip_math:
+    return
   rows = []
   load_before = os.getloadavg()[0]
   rewards.warm_up_math_verify()  # in-process rows: not timing the sympy import

@@ -20,20 +20,20 @@ import signal
 import time
 
 ENV_PARENT = "BA_JAX_SANDBOX_CGROUP"
-_PREFIX = "ba_jax_sandbox_"
+PREFIX = "ba_jax_sandbox_"
 
 
 def run_name() -> str:
   """A run's cgroup and work-dir name: the prefix, the creating process's pid, a random tag.
   The pid lets a cleanup (or a test) tell a run still in flight from one left behind."""
-  return f"{_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+  return f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
 
 
 def run_creator(path: str) -> int | None:
   """The pid of the process that made the run named by ``path``'s last
   component (a ``run_name``), or None for another name."""
   name = os.path.basename(path)
-  creator = name[len(_PREFIX):].split("_")[0] if name.startswith(_PREFIX) else ""
+  creator = name[len(PREFIX):].split("_")[0] if name.startswith(PREFIX) else ""
   return int(creator) if creator.isdigit() else None
 
 

@@ -1,14 +1,18 @@
 """After a sandbox run: every process it started killed and reaped, files a run's uid left in
 the shared temp dirs removed (none can be written there from the sandbox's root; this is the
-second line)."""
+second line). Before a process's first run: the temp dirs and memory cgroups of runs whose
+creating process died (a caller killed mid-run or mid-judge) removed."""
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
 import stat
 import subprocess
 import time
+
+from ba_jax.sandboxing import cgroups
 
 _WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
@@ -95,3 +99,39 @@ def remove_escaped_files(uid: int, workdir: str) -> list[str]:
           and info.st_mode & stat.S_IXOTH:
         stack.append(path)
   return escaped
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass  # another user's: alive
+  return True
+
+
+def remove_stale_runs(temp_dir: str, hierarchy: cgroups.Hierarchy | None) -> list[str]:
+  """Removes the run temp dirs under `temp_dir` and run cgroups under `hierarchy` that this
+  user made from a process no longer alive (a killed caller's; a pid reused since is taken
+  as alive, and its runs left alone); returns them."""
+  found = [(path, None) for path in glob.glob(os.path.join(temp_dir, cgroups.PREFIX + "*"))]
+  if hierarchy is not None:
+    found += [(path, hierarchy.version)
+              for path in glob.glob(os.path.join(hierarchy.parent, cgroups.PREFIX + "*"))]
+  removed = []
+  for path, version in found:
+    creator = cgroups.run_creator(path)
+    try:
+      mine = os.stat(path).st_uid == os.geteuid()
+    except OSError:
+      continue
+    if creator is None or creator == os.getpid() or not mine or _alive(creator):
+      continue
+    if version is None:
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      cgroups.RunCgroup(path, version).remove()  # kills what is left in it first
+    if not os.path.exists(path):
+      removed.append(path)
+  return removed

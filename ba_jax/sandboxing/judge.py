@@ -15,8 +15,11 @@ A test case (what `ba_jax.tasks.rewards.score_code` takes) is one of:
     only have test code. They run in the candidate's process, in a fresh
     namespace with pristine builtins and modules, and pass only on the
     harness's token (`sandbox_harness`, which states what remains possible).
-A sample that could not run (`RunResult.rejected`) or whose reference failed
-scores 0 and says why in `TestOutcome.rejected`.
+Reading and comparing a call test's outputs have budgets (values, depth, time:
+`outputs.Budget`) whatever the program sent. A sample that could not run
+(`RunResult.rejected`), went over a budget ("judge_too_large", "judge_too_deep",
+"judge_timeout") or whose reference failed scores 0 and says why in
+`TestOutcome.rejected`.
 """
 from __future__ import annotations
 
@@ -154,14 +157,15 @@ def _why_no_outputs(run, items, spec) -> str:
   return f"stopped after {len(items)} of {len(spec['inputs'])} inputs"
 
 
-def _judge_call(run, case, expected) -> str:
-  """Why the call test failed ("" when it passed)."""
+def _judge_call(run, case, expected, budget: outputs_lib.Budget) -> str:
+  """Why the call test failed ("" when it passed); raises OverBudget past `budget`."""
   items = run.outputs or []
   rule, atol = case.get("compare", "exact"), case.get("atol") or 0
   for i, (kind, value) in enumerate(items):
     if kind == "raised":
       return f"input {i}: raised {value}"
-    if not outputs_lib.same(value, expected[i], rule, atol=atol, arguments=case["inputs"][i]):
+    if not outputs_lib.same(value, expected[i], rule, atol=atol, arguments=case["inputs"][i],
+                            budget=budget):
       return f"input {i}: wrong output {outputs_lib.preview(value)}"
   if run.outputs is None or len(items) < len(case["inputs"]):
     return _why_no_outputs(run, items, _call_spec(case))
@@ -189,7 +193,11 @@ def run_tests(program: str, test_cases: Sequence,
         outcome.message = outcome.message or f"test {i}: {e}"
         continue
       result = sandbox.run_program(program, "", limits, call=_call_spec(case))
-      why = "" if result.rejected else _judge_call(result, case, expected)
+      try:
+        why = "" if result.rejected else _judge_call(
+            result, case, expected, outputs_lib.Budget(time_s=limits.judge_time_s))
+      except outputs_lib.OverBudget as e:
+        result.rejected, result.reason = e.reason, f"judging its outputs: {e}"
     elif kind == "assert":
       result = sandbox.run_program(program, "", limits, assertions=[_assertion(case)])
       why = "" if result.assertions_passed else "did not complete the assertions"

@@ -19,12 +19,17 @@ holds without root:
     and SysV shared memory (`sandbox_seccomp`);
   * limits: RLIMIT_CPU/AS/FSIZE/NOFILE/CORE/NPROC/MSGQUEUE, no_new_privs, no
     capabilities, no new namespaces; as root also a fresh uid per run;
+  * signals: the namespace's init keeps no handler, so the program's signals to
+    it are dropped; in assertion runs the harness, once set up, adds a seccomp
+    filter refusing new signal handlers (`sandbox_seccomp.signal_program`);
   * Python-level guards (optional, on by default) as defence in depth.
 Where the kernel refuses any of this the sandbox refuses to run anything
 (`SandboxUnavailable`, with the reason); it never falls back to the guards. A
 sample that cannot run (files larger than /sandbox, text that is not UTF-8, a
-launcher that dies) fails alone: `RunResult.rejected` says why. How tests are
-judged outside the program's reach is `judge`'s. The interpreter is this Python
+launcher that dies, outputs past the judge's budget) fails alone:
+`RunResult.rejected` says why. The launcher dies with its caller, and the first
+run of a process removes the temp dirs and cgroups of runs whose caller died.
+How tests are judged outside the program's reach is `judge`'s. The interpreter is this Python
 when a dropped uid can read its standard library, else the system python3
 (`sandbox_python`).
 """
@@ -71,6 +76,7 @@ class SandboxLimits:
   max_output_chars: int = 1 << 20  # stdout and stderr, each
   max_result_mb: int = 16  # a call test's outputs, as plain data
   max_workdir_mb: int = 64  # /sandbox, the private tmpfs holding the run's files
+  judge_time_s: float = 10.0  # reading a call test's outputs, and comparing them, each
   sockets: str = "unix"  # "unix": socket() for AF_UNIX only; "none": no socket at all
   require_memory_cgroup: bool = False  # refuse to run where no memory cgroup can be made
   python_guards: bool = True
@@ -206,6 +212,12 @@ def _memory_cgroup(limits: SandboxLimits) -> cgroups.RunCgroup | None:
   return None
 
 
+@functools.lru_cache(maxsize=None)
+def _remove_stale_runs() -> tuple:
+  """Once per process: what runs of a caller that died left behind (`cleanup`)."""
+  return tuple(cleanup.remove_stale_runs(tempfile.gettempdir(), cgroups.hierarchy()))
+
+
 def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *,
                 assertions: Sequence | None = None, call: dict | None = None) -> RunResult:
   """Runs `source` as a Python program with `stdin`; returns its output and what was cleaned up.
@@ -234,6 +246,7 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
     return _rejected("too_large", f"the run's files ({sizes} bytes) do not fit the "
                                   f"{limits.max_workdir_mb} MB work directory")
   check_limits(limits)
+  _remove_stale_runs()
   cgroup = _memory_cgroup(limits)
   workdir = tempfile.mkdtemp(prefix=cgroups.run_name() + "_")
   uid = 1_000_000 + secrets.randbelow(1 << 30) if _IS_ROOT else None
@@ -251,7 +264,7 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
         tempfile.TemporaryFile() as inp, tempfile.TemporaryFile() as result:
       program_fds = {"assert": [token_r, result.fileno()], "call": [result.fileno()],
                      "stdin": []}[mode]
-      config = {"uid": uid, "cpu_s": int(limits.cpu_time_s),
+      config = {"uid": uid, "caller_pid": os.getpid(), "cpu_s": int(limits.cpu_time_s),
                 "memory_bytes": int(limits.memory_mb) << 20,
                 "file_bytes": int(limits.max_file_mb) << 20,
                 "nproc": _nproc_limit(limits.max_processes), "workdir_bytes": workdir_bytes,
@@ -262,6 +275,8 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
                 "watchdog_bytes": None if cgroup else int(limits.memory_mb) << 20,
                 "harness": {"mode": mode, "guards": bool(limits.python_guards),
                             "token_fd": token_r, "result_fd": result.fileno(),
+                            "signal_filter": sandbox_seccomp.signal_program(
+                                sandbox_seccomp.syscalls()) if mode == "assert" else None,
                             "spec_file": _SPEC_FILE if mode != "stdin" else None,
                             "max_result_bytes": int(limits.max_result_mb) << 20}}
       env = {"PATH": "/usr/bin:/bin", "HOME": INSIDE, "TMPDIR": INSIDE, "LANG": "C.UTF-8",
@@ -304,18 +319,21 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
                     "the program started")
     elif mode == "assert":
       run.assertions_passed = run.returncode == 0 and result_bytes == token
-    elif mode == "call" and run.returncode == 0:
-      try:
-        run.outputs = outputs_lib.decode(result_bytes, len(call["inputs"]))
-      except outputs_lib.Malformed as e:
-        run.outputs_error = f"the outputs could not be read: {e}"
-    return run
   finally:
     for fd in pipes:
       os.close(fd)
     shutil.rmtree(workdir, ignore_errors=True)
     if cgroup is not None:
       cgroup.remove()
+  if mode == "call" and run.returncode == 0 and not run.rejected:  # nothing left to clean up
+    try:
+      run.outputs = outputs_lib.decode(result_bytes, len(call["inputs"]),
+                                       outputs_lib.Budget(time_s=limits.judge_time_s))
+    except outputs_lib.OverBudget as e:
+      run.rejected, run.reason = e.reason, f"reading its outputs: {e}"
+    except outputs_lib.Malformed as e:
+      run.outputs_error = f"the outputs could not be read: {e}"
+  return run
 
 
 def isolation() -> str:

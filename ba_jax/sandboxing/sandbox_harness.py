@@ -15,21 +15,23 @@ the test data in spec.json (read, then deleted). Three modes:
   harness takes the run's token from its pipe (and closes it), makes itself
   non-dumpable, compiles the tests, imports what the tests and their trusted
   `context` (e.g. the task's prompt) import and copies those modules and
-  builtins, runs the context, and adds an audit hook that refuses frame, gc,
-  ctypes and code-object introspection, tracing and further audit hooks. Each
-  test then runs in a fresh namespace holding the context, the pristine copies
-  and the program's entry point, wrapped so that it gives back (and leaves in
-  its list/dict/set arguments) plain data only, and so that signal handlers
-  the program set (which would receive a test's frame) are reset when it
-  returns. The token is written to the result fd only after the last
-  assertion ran without raising: exiting 0 early, printing, patching `print`,
-  `AssertionError`, `exec`, builtins or modules, objects whose `__eq__` always
-  agrees, a thread, or reading fds cannot produce it; any exception ends the
-  process at once with status 1. What remains is code written against this
-  harness by other means: a Python-level class or function shared with the
-  module copies and mutated, a test that hands the program one of its own
-  functions (whose `__globals__` is the test's namespace), crafted bytecode
-  (`marshal`) or a C extension reading raw memory.
+  builtins, runs the context, resets every Python-level signal handler to the
+  default and adds a seccomp filter refusing new signal handlers (a handler gets
+  the frame it interrupts, and walking `f_back` from it raises no audit event),
+  then an audit hook that refuses frame, gc, ctypes and code-object
+  introspection, tracing and further audit hooks. Each test then runs in a fresh
+  namespace holding the context, the pristine copies and the program's entry
+  point, wrapped so that it gives back (and leaves in its list/dict/set
+  arguments) plain data only. The token is written to the result fd only after
+  the last assertion ran without raising: exiting 0 early, printing, patching
+  `print`, `AssertionError`, `exec`, builtins, modules or `sys.stderr`, objects
+  whose `__eq__` always agrees, a thread, signal handlers or reading fds cannot
+  produce it; any exception ends the process at once with status 1. What
+  remains is code written against this harness by other means: a Python-level
+  class or function shared with the module copies and mutated, a test that hands
+  the program one of its own functions (whose `__globals__` is the test's
+  namespace), crafted bytecode (`marshal`) or a C extension reading raw memory.
+  `signal.signal` raises OSError (EPERM) in this mode.
 """
 import ast
 import builtins
@@ -177,16 +179,13 @@ def _is_plain(value):
     return False
 
 
-def launder(function, after_call=lambda: None):
+def launder(function):
   """`function` as the tests see it: its result, and what it left in list/dict/set arguments
   that were plain data, are copied into exact builtin types (objects whose comparisons
-  always agree do not survive the copy); `after_call` runs when it returns or raises."""
+  always agree do not survive the copy)."""
   def entry_point(*args, **kwargs):
     mutable = [a for a in args if _type(a) in (list, dict, set) and _is_plain(a)]
-    try:
-      result = function(*args, **kwargs)
-    finally:
-      after_call()
+    result = function(*args, **kwargs)
     for argument in mutable:
       fresh = plain_copy(argument)
       if _type(argument) is list:
@@ -267,26 +266,31 @@ def _not_dumpable():
     raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
 
 
-def _signal_resetter():
-  """A function restoring every signal handler the program may have set: a handler gets the
-  frame it interrupts, which could be a test's."""
+def _refuse_signal_handlers(code):
+  """No Python-level signal handler is left (SIGINT's included), and the kernel refuses new
+  ones (`code`: the caller's `sandbox_seccomp.signal_program`); no_new_privs is already set."""
+  import ctypes
   import signal
-  getsignal, set_handler = signal.getsignal, signal.signal
-  original = {}
   for number in signal.valid_signals():
     try:
-      original[number] = getsignal(number)
+      if _callable(signal.getsignal(number)):
+        signal.signal(number, signal.SIG_DFL)
     except (ValueError, OSError):
       pass
 
-  def reset():
-    for number, handler in original.items():
-      if getsignal(number) is not handler and handler is not None:
-        try:
-          set_handler(number, handler)
-        except (ValueError, OSError, TypeError):
-          pass
-  return reset
+  class SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                ("k", ctypes.c_uint32)]
+
+  class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+  filters = (SockFilter * len(code))(*[SockFilter(*instruction) for instruction in code])
+  program = SockFprog(len(code), filters)
+  ulong = ctypes.c_ulong
+  libc = ctypes.CDLL(None, use_errno=True)
+  if libc.prctl(22, ulong(2), ctypes.byref(program), ulong(0), ulong(0)) != 0:  # SECCOMP_FILTER
+    raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) for the signal filter")
 
 
 def _imports(sources):
@@ -350,12 +354,13 @@ def _free_names(source):
   return loaded - stored
 
 
-def run_assertions(spec, token_fd, result_fd):
+def run_assertions(spec, token_fd, result_fd, signal_filter):
   # Bound before the program runs, so that rebinding names in builtins/os cannot touch them.
   exit_, write, exec_, exc_info = os._exit, os.write, exec, sys.exc_info
   print_exc = sys.__excepthook__  # C: prints a traceback without reading frames from Python
   # The token is read now and its pipe closed: the program holds no fd to read it from, and
-  # reaching this frame's locals needs the introspection the audit hook refuses.
+  # reaching this frame's locals needs the introspection the audit hook refuses, or a signal
+  # handler, which the seccomp filter refuses.
   token = os.read(token_fd, 256)
   os.close(token_fd)
   _not_dumpable()
@@ -373,12 +378,11 @@ def run_assertions(spec, token_fd, result_fd):
         print_exc(*exc_info())
       contexts[test["context"]] = namespace
   free_names = [_free_names(t["code"]) if t["entry"] is None else None for t in tests]
-  reset_signals = _signal_resetter()
+  _refuse_signal_handlers(signal_filter)
   sys.addaudithook(_refuse_introspection)  # cannot be removed once added
   try:
     program = _exec_program(exec_, compile)
     for i, test in enumerate(tests):
-      reset_signals()
       namespace = {"__builtins__": clean}
       namespace.update(contexts.get(test["context"], {}))
       namespace["__name__"] = "__test__"
@@ -389,7 +393,7 @@ def run_assertions(spec, token_fd, result_fd):
       for name in entries:
         if name in program:
           value = program[name]
-          namespace[name] = launder(value, reset_signals) if _callable(value) \
+          namespace[name] = launder(value) if _callable(value) \
               else plain_copy(value)
       exec_(codes[i], namespace)
   except BaseException:  # noqa: BLE001 -- SystemExit included: leaving early is failing
@@ -424,7 +428,7 @@ def main():
   if cfg["mode"] == "call":
     run_calls(spec, cfg["result_fd"], cfg["max_result_bytes"])
   elif cfg["mode"] == "assert":
-    run_assertions(spec, cfg["token_fd"], cfg["result_fd"])
+    run_assertions(spec, cfg["token_fd"], cfg["result_fd"], cfg["signal_filter"])
   else:
     runpy.run_path("solution.py", run_name="__main__")
 

@@ -19,7 +19,11 @@ The init ends the whole run at the memory limit: when the run's cgroup OOM-kille
 one of its processes, or, without a cgroup, when the memory of the namespace's
 processes plus /sandbox, in total, goes over the limit.
 The init reports "ready", "memory" (limit exceeded) and the program's exit
-status on a status pipe the program never holds. A setup failure is reported
+status on a status pipe the program never holds. It keeps no signal handler, so
+the kernel drops every signal the program sends it (a namespace's init only gets
+the signals it handles). The launcher and the init write nothing to the run's
+stderr (only the program does), and both die with their parent: a caller killed
+mid-run leaves no process behind. A setup failure is reported
 there as "error: ..." (the kernel refused: nothing can run) or "reject: ..."
 (this sample cannot run, e.g. its files do not fit /sandbox).
 """
@@ -203,9 +207,11 @@ def limit(kind, value):
     pass
 
 
-def start_program(cfg, status_fd):
+def start_program(cfg, status_fd, stderr_fd):
   """The program's process: limits, identity, seccomp, then exec of the harness (never returns)."""
   try:
+    os.dup2(stderr_fd, 2)  # the run's stderr, which only the program writes to
+    os.close(stderr_fd)
     limit(resource.RLIMIT_CPU, cfg["cpu_s"])
     limit(resource.RLIMIT_AS, cfg["memory_bytes"])
     limit(resource.RLIMIT_FSIZE, cfg["file_bytes"])
@@ -258,7 +264,7 @@ def oom_killed(events) -> bool:
   return False
 
 
-def run_init(cfg, status_fd, root, events):
+def run_init(cfg, status_fd, root, events, stderr_fd):
   """PID 1 of the run's namespace: starts the program, reaps, reports its status (never returns).
 
   It ends the whole run at the memory limit: when the cgroup killed one of its processes, or
@@ -276,7 +282,14 @@ def run_init(cfg, status_fd, root, events):
     os.close(proc)
     if events is not None:
       os.close(events)
-    start_program(cfg, status_fd)
+    start_program(cfg, status_fd, stderr_fd)
+  os.close(stderr_fd)
+  for number in signal.valid_signals():  # no handler: the kernel drops the program's signals
+    try:
+      if callable(signal.getsignal(number)):
+        signal.signal(number, signal.SIG_DFL)
+    except (ValueError, OSError):
+      pass
   watch = cfg["watchdog_bytes"]
   watching = events is not None or watch is not None
   signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # woken by sigtimedwait
@@ -301,8 +314,21 @@ def run_init(cfg, status_fd, root, events):
   os._exit(0)
 
 
+def die_with_caller(caller_pid):
+  """SIGKILL when the caller dies (its thread that started this process, in fact)."""
+  prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+  if os.getppid() != caller_pid:  # it died before the line above
+    os._exit(125)
+
+
 def main():
   cfg = json.loads(sys.argv[1])
+  die_with_caller(cfg["caller_pid"])
+  # The run's stderr is the program's: nothing of the launcher's (host paths) goes there.
+  stderr_fd = os.dup(2)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  os.close(devnull)
   status_fd = cfg["status_fd"]
   os.set_inheritable(status_fd, False)  # the program never holds it
   root = os.getcwd()
@@ -316,6 +342,7 @@ def main():
       join_cgroup(cfg["cgroup_procs"])
       events = os.open(cfg["cgroup_events"], os.O_RDONLY | os.O_CLOEXEC)
     enter_namespaces(cfg["uid"] is not None)
+    die_with_caller(cfg["caller_pid"])  # a credential change may have cleared it
     build_root(root, files, cfg)
   except Rejected as e:
     os.write(status_fd, f"reject: {e}\n".encode())
@@ -326,7 +353,7 @@ def main():
   del files
   init = os.fork()
   if init == 0:
-    run_init(cfg, status_fd, root, events)
+    run_init(cfg, status_fd, root, events, stderr_fd)
   os.waitpid(init, 0)
   os._exit(0)
 

@@ -19,6 +19,12 @@ falls back to clone, whose flags it can. Other ABIs (i386 `int 0x80`, x32)
 are killed or refused: their syscall numbers would dodge the table. Only
 x86_64 and aarch64 are supported; elsewhere `install` raises and the sandbox
 refuses to run anything.
+
+`signal_program` is a second filter the assertion harness adds once it is set
+up, before the program runs: installing a signal handler (rt_sigaction with a
+new action) or an alternate signal stack is refused with EPERM; reading either
+is not. A handler receives the frame it interrupts, from which a program could
+walk to the harness's (see `sandbox_harness`).
 """
 import ctypes
 import os
@@ -39,11 +45,13 @@ SYSCALLS = {
     "x86_64": {"audit_arch": 0xC000003E, "socket": 41, "socketpair": 53, "clone": 56,
                "shmget": 29, "memfd_create": 319, "unshare": 272, "setns": 308, "bpf": 321,
                "userfaultfd": 323, "perf_event_open": 298, "add_key": 248,
-               "request_key": 249, "keyctl": 250, "pivot_root": 155},
+               "request_key": 249, "keyctl": 250, "pivot_root": 155, "rt_sigaction": 13,
+               "sigaltstack": 131},
     "aarch64": {"audit_arch": 0xC00000B7, "socket": 198, "socketpair": 199, "clone": 220,
                 "shmget": 194, "memfd_create": 279, "unshare": 97, "setns": 268, "bpf": 280,
                 "userfaultfd": 282, "perf_event_open": 241, "add_key": 217,
-                "request_key": 218, "keyctl": 219, "pivot_root": 41},
+                "request_key": 218, "keyctl": 219, "pivot_root": 41, "rt_sigaction": 134,
+                "sigaltstack": 132},
 }
 for _table in SYSCALLS.values():
   _table.update(io_uring_setup=425, io_uring_enter=426, io_uring_register=427, clone3=435,
@@ -110,8 +118,26 @@ def program(table: dict, sockets: str = "unix") -> list:
   return code
 
 
+def _null_argument(index: int) -> list:
+  """Allow when the syscall's argument `index` (a pointer) is NULL, else refuse with EPERM."""
+  low = _ARG0 + 8 * index
+  return [_stmt(_LD_W_ABS, low), _jump(_JEQ_K, 0, 0, 3), _stmt(_LD_W_ABS, low + 4),
+          _jump(_JEQ_K, 0, 0, 1), _stmt(_RET_K, _RET_ALLOW), _stmt(_RET_K, _RET_ERRNO | _EPERM)]
+
+
+def signal_program(table: dict) -> list:
+  """The assertion harness's second filter (see the module doc), as (code, jt, jf, k):
+  rt_sigaction(signum, act, oldact, size) with act != NULL and sigaltstack(ss, old) with
+  ss != NULL are refused."""
+  return [_stmt(_LD_W_ABS, _ARCH), _jump(_JEQ_K, table["audit_arch"], 1, 0),
+          _stmt(_RET_K, _RET_KILL_PROCESS), _stmt(_LD_W_ABS, _NR),
+          _jump(_JEQ_K, table["rt_sigaction"], 2, 0), _jump(_JEQ_K, table["sigaltstack"], 7, 0),
+          _stmt(_RET_K, _RET_ALLOW)] + _null_argument(1) + _null_argument(0)
+
+
 def install(sockets: str = "unix") -> None:
-  """Installs the filter on this thread (inherited by every child); raises OSError/Unsupported."""
+  """Installs the filter on this thread (inherited by every child); raises OSError/Unsupported.
+  The assertion harness installs `signal_program` with a copy of this."""
   table = syscalls()
   code = program(table, sockets)
 

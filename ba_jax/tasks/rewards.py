@@ -58,7 +58,8 @@ class RewardBatch:
   messages: list = dataclasses.field(default_factory=list)  # why an item failed, "" if fine
   distinct_graded: int = 0  # distinct (answer, ground truth) pairs sent to math-verify
   # Code: samples scored 0 without being judged, by reason ("too_large", "invalid_text",
-  # "sandbox_died", "reference_failed"), and runs killed at the memory limit.
+  # "sandbox_died", "reference_failed", "judge_too_large", "judge_too_deep",
+  # "judge_timeout": outputs past the judge's budget), and runs killed at the memory limit.
   rejected: dict = dataclasses.field(default_factory=dict)
   memory_exceeded: int = 0
 
@@ -323,8 +324,10 @@ def score_code(programs: Sequence[str], test_cases: Sequence[Sequence], *,
   items = [(p if isinstance(p, str) else str(p), list(t), limits)
            for p, t in zip(programs, test_cases)]
   if pool is not None:
-    # A call test with a reference costs two runs the first time a worker sees it.
-    budget = limits.wall_time_s * 2 * max([len(t) for t in test_cases] + [1]) + 30.0
+    # A call test with a reference costs two runs the first time a worker sees it, each read
+    # and compared within the judge's time budget.
+    per_run = limits.wall_time_s + 2 * limits.judge_time_s
+    budget = per_run * 2 * max([len(t) for t in test_cases] + [1]) + 30.0
     results = pool.map(judge.run_tests_item, items, timeout_s=max(budget, pool.timeout_s))
   else:
     results = []
