@@ -6,6 +6,9 @@ import os
 import pathlib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The target compilers (libtpu, the CUDA plugin) are installed for the dry run's
+# tests; the suite itself runs on the CPU, and never opens a TPU or GPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

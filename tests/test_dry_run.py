@@ -227,11 +227,19 @@ def test_launch_scripts_parse(script):
 
 
 def _dry(script, **env):
-  proc = subprocess.run(["bash", str(LAUNCH / script), "--config.rl.steps=2"],
+  """The commands a launch script prints with DRY=1: the fit check's first."""
+  env = {"TARGET": "v5e:2x2", **env}
+  proc = subprocess.run(["bash", str(LAUNCH / script), "--config.rl.steps=2",
+                         "--config.init_from=/models/m"],
                         env=dict(os.environ, DRY="1", **env),
                         capture_output=True, text=True, timeout=60)
   assert proc.returncode == 0, proc.stderr
-  return proc.stdout.strip().splitlines()
+  check, *commands = proc.stdout.strip().splitlines()
+  assert check.startswith("fit check: python3 -m ba_jax.dry_run --config=") and (
+      f"--target={env['TARGET']}" in check), check
+  # The run's overrides reach the dry run, its local paths do not.
+  assert "--config.rl.steps=2" in check and "init_from" not in check
+  return commands
 
 
 def test_multi_gpu_script_prints_one_command_per_process():
@@ -247,7 +255,7 @@ def test_multi_gpu_script_prints_one_command_per_process():
   assert "CUDA_VISIBLE_DEVICES=2\\,3" in lines[1]
   single = _dry("multi_gpu.sh", CONFIG="configs/tiny.py", WORKDIR="/tmp/run")
   assert single == ["python3 -m ba_jax.train --config=configs/tiny.py "
-                    "--workdir=/tmp/run --config.rl.steps=2"]
+                    "--workdir=/tmp/run --config.rl.steps=2 --config.init_from=/models/m"]
 
 
 def test_multi_gpu_script_rejects_a_bad_mode():
@@ -266,6 +274,31 @@ def test_tpu_script_runs_the_same_command_on_every_worker():
   assert "--coordinator_address" not in line
 
 
+@pytest.mark.parametrize("script", ["tpu_pod.sh", "multi_gpu.sh"])
+def test_launch_refuses_a_config_that_does_not_fit(script, tmp_path):
+  """The fit check's verdict stops the launch, naming the program; no TARGET is an error."""
+  fake = tmp_path / "fake_python"  # stands in for the dry run: exit 1 and its one line
+  fake.write_text("#!/usr/bin/env bash\n"
+                  "case \"$*\" in *ba_jax.dry_run*) echo 'dry run: engine does not fit v5e:8x8: "
+                  "it needs 17.9 GiB per chip, the chip has 15.75 GiB' >&2; exit 1;; esac\n"
+                  "echo launched\n")
+  fake.chmod(0o755)
+  env = dict(os.environ, PYTHON=str(fake), CONFIG="configs/tiny.py", WORKDIR=str(tmp_path),
+             TPU_NAME="pod", NUM_GPUS="1", FIT_REPORT=str(tmp_path / "fit"))
+  env.pop("DRY", None)
+  run = lambda **extra: subprocess.run(["bash", str(LAUNCH / script)], env=dict(env, **extra),
+                                       capture_output=True, text=True, timeout=60)
+  refused = run(TARGET="v5e:8x8")
+  assert refused.returncode == 3 and "launched" not in refused.stdout
+  assert "refusing to launch: dry run: engine does not fit v5e:8x8" in refused.stderr
+  untargeted = run()
+  assert untargeted.returncode == 2 and "set TARGET" in untargeted.stderr
+  if script == "multi_gpu.sh":  # SKIP_FIT_CHECK=1 launches, and says it checked nothing
+    skipped = run(SKIP_FIT_CHECK="1")
+    assert skipped.returncode == 0 and "launched" in skipped.stdout
+    assert "fit check skipped" in skipped.stderr
+
+
 def test_multi_gpu_script_stops_every_process_when_one_fails(tmp_path):
   """A stand-in for python: process 1 fails after a second, process 0 would
   run for a minute; the script must exit non-zero long before that."""
@@ -277,7 +310,7 @@ def test_multi_gpu_script_stops_every_process_when_one_fails(tmp_path):
   fake.chmod(0o755)
   proc = subprocess.run(
       ["bash", str(LAUNCH / "multi_gpu.sh")],
-      env=dict(os.environ, MODE="multi", NUM_GPUS="2", PYTHON=str(fake),
+      env=dict(os.environ, MODE="multi", NUM_GPUS="2", PYTHON=str(fake), SKIP_FIT_CHECK="1",
                CONFIG="configs/tiny.py", WORKDIR=str(tmp_path / "run")),
       capture_output=True, text=True, timeout=30)
   assert proc.returncode == 1, (proc.stdout, proc.stderr)

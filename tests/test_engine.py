@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from ba_jax.generation import decoding
 from ba_jax.generation import engine
+from ba_jax.policy import compiling
 from ba_jax.policy import hf
 from ba_jax.policy import kv_cache
 from ba_jax.generation import sampler
@@ -263,6 +264,13 @@ def test_sharded_on_8_devices_equals_one_device(checkpoint, ours, prompts, stop_
   lowered = engine.lower(graphdef, abstract, prompts=8, prompt_len=16, group_size=4,
                          max_new_tokens=T, slots=8, mesh=mesh)
   assert lowered.compile().memory_analysis() is not None
+  # What an accelerator runs, here on CPU: keys laid out [M,K,S,D] like the values
+  # (kv_cache.key_axes), each device filling only its own slots (kv_cache.fill_slots).
+  with compiling.targeting("gpu"):  # float32: no cuDNN, so every kernel runs on CPU
+    for slots, phases in ((4, None), (4, 3), (0, 3)):
+      res = sampler.sample_groups(sharded, *prompts, group_size=G, max_new_tokens=T, pad_id=PAD_ID,
+                                  **dict(kw, max_slots=slots), cache_phases=phases)
+      _assert_same(jax.device_get(res), want)
 
 
 def test_bad_max_slots_is_named(ours, prompts):

@@ -8,6 +8,7 @@ import dataclasses
 import flax
 import jax
 
+from ba_jax.policy import compiling
 from ba_jax.policy import sharding as sharding_lib
 
 
@@ -60,7 +61,7 @@ def auto_cache_phases(length: int, backend: str | None = None) -> int:
   slicing holds up to two copies of the cache, so accelerators (where a paged or ragged
   attention kernel is the way to skip empty positions) and short caches keep one phase.
   """
-  if length >= AUTO_PHASES_MIN_LENGTH and (backend or jax.default_backend()) == "cpu":
+  if length >= AUTO_PHASES_MIN_LENGTH and (backend or compiling.backend()) == "cpu":
     return AUTO_PHASES
   return 1
 

@@ -183,7 +183,7 @@ def _engine_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, tempe
       prefill = jax.tree.map(lambda x: x if x.ndim == 0 else x[lane_R], prefill)
     else:
       prefill = kv_cache_lib.init_cache(model.config, width, 0)
-    s["cache"] = pin(kv_cache_lib.fill_slots(s["cache"], slot_R, prefill))
+    s["cache"] = pin(kv_cache_lib.fill_slots(s["cache"], slot_R, prefill, mesh_rules))
     s["row"] = s["row"].at[slot_R].set(row_R, mode="drop")
     s["pos"] = s["pos"].at[slot_R].set(0, mode="drop")
     s["prev"] = s["prev"].at[slot_R].set(last_B[prompt_R], mode="drop")

@@ -20,16 +20,17 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ba_jax.config import schema
+from ba_jax.policy import compiling
 from ba_jax.policy import sharding as sharding_lib
 
 IMPLS = schema.ATTENTION_IMPLS
 
 
 def resolve_impl(impl: str, *, head_dim: int, dtype, backend: str | None = None) -> str:
-  """The concrete kernel "auto" stands for on `backend` (default: JAX's default backend)."""
+  """The concrete kernel "auto" stands for on `backend` (default: `compiling.backend()`, the target being built for)."""
   if impl != "auto":
     return impl
-  backend = backend or jax.default_backend()
+  backend = backend or compiling.backend()
   if backend == "tpu":
     return "splash"
   # cuDNN's fused attention takes 16-bit inputs and head_dim a multiple of 8 up to 128.
@@ -48,11 +49,11 @@ def einsum_f32(subscripts: str, a, b, *, backend: str | None = None):
   Accelerators multiply 16-bit operands as they are, accumulating in float32. XLA:CPU has no such
   product in every layout: where its YNNPACK fusion declines a dot (the cached prefill's q.K, keys
   `[B, K, D, S]` with K > 1) the fallback `DotThunk` raises "Unsupported element type ... BF16 x
-  BF16 = F32". So on CPU (`backend`, default JAX's default) 16-bit float operands (float16 too,
+  BF16 = F32". So on CPU (`backend`, default `compiling.backend()`) 16-bit float operands (float16 too,
   one rule for all) are cast to float32 first: a product of two such numbers is exact in float32,
   so the result is the same float32 sum. float32 operands pass through unchanged everywhere.
   """
-  if (backend or jax.default_backend()) == "cpu":
+  if (backend or compiling.backend()) == "cpu":
     a, b = _upcast_16bit(a), _upcast_16bit(b)
   return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32)
 
@@ -88,7 +89,7 @@ def full_attention(q_BxLxHxD, k, v, allowed_BxLxS, kv_axes: str = "bskd", k_axes
     # A decode step: no unit query axis in the matmuls. XLA:CPU lowers them ~5x slower with it
     # (21 vs 4.3 ms for 128 rows x 287 cached positions, 4 kv heads of 64).
     q_BxKxGxD = q_BxLxHxD.reshape(B, K, H // K, D)
-    if (k_axes, kv_axes) == ("bkds", "bksd") and jax.default_backend() == "cpu":
+    if (k_axes, kv_axes) == ("bkds", "bksd") and compiling.backend() == "cpu":
       return _cache_attention_cpu(q_BxKxGxD, k, v, allowed_BxLxS[:, 0]).astype(dt).reshape(B, 1, H, D)
     scores = einsum_f32(f"bkgd,{k_axes}->bkgs", q_BxKxGxD, k.astype(dt)) * (D ** -0.5)
     scores = jnp.where(allowed_BxLxS[:, 0, None, None], scores, jnp.finfo(jnp.float32).min)

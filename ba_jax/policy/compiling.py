@@ -27,6 +27,7 @@ cold and 1.5 s warm on one 2-core host, with results identical to the bit
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any, Callable
@@ -105,12 +106,44 @@ def _default_backend() -> str:
   return jax.default_backend()
 
 
-def compiler_options(backend: str | None = None, cpu_mode: str | None = None
+_target: str | None = None  # the platform ``targeting`` builds programs for
+
+
+def backend() -> str:
+  """The platform the programs being built are for: the dry run's target
+  (``targeting``), else JAX's default backend. Code that picks a kernel or a
+  loop form by platform asks this, not ``jax.default_backend()``, so that a
+  program compiled for a TPU or GPU on a CPU host is the one that chip runs."""
+  return _target or _default_backend()
+
+
+@contextlib.contextmanager
+def targeting(platform: str):
+  """Within the block, ``backend()`` is ``platform`` ("tpu", "gpu" or "cpu"):
+  programs traced there choose the kernels a run on that platform would.
+
+  JAX's caches key a traced program on its inputs, not on this choice, so
+  they are cleared on leaving the block: a later call on this host must not
+  reuse a program traced for another chip (a Pallas TPU kernel, say)."""
+  global _target  # pylint: disable=global-statement
+  if platform not in ("cpu", "gpu", "tpu"):
+    raise ValueError(f"targeting({platform!r}): expected 'cpu', 'gpu' or 'tpu'")
+  previous, _target = _target, platform
+  try:
+    yield
+  finally:
+    _target = previous
+    if platform != backend():
+      jax.clear_caches()
+
+
+def compiler_options(platform: str | None = None, cpu_mode: str | None = None
                      ) -> dict[str, Any] | None:
-  """The options ``jit`` compiles with on ``backend`` (default: JAX's default
-  backend) in ``cpu_mode`` (default: the current one); None is XLA's defaults."""
+  """The options ``jit`` compiles with on ``platform`` (default:
+  ``backend()``) in ``cpu_mode`` (default: the current one); None is XLA's
+  defaults."""
   options = CPU_OPTIONS[cpu_mode or _mode]
-  if options is None or (backend or _default_backend()) != "cpu":
+  if options is None or (platform or backend()) != "cpu":
     return None
   return dict(options)
 

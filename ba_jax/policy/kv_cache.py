@@ -7,7 +7,10 @@ faster than `[B, S, K, D]` on CPU). Keys are stored transposed so that
 both attention matmuls (q.K and p.V) contract a row-major operand's leading
 axis: XLA:CPU ran `einsum("bkgd,bksd->bkgs")` ~14x slower than the same
 product against `[B, K, D, S]` keys (23.0 vs 1.6 ms for 128 rows x 287
-positions, 4 kv heads of 64: experiments/results/engine_bench.md). Then a mask
+positions, 4 kv heads of 64: experiments/results/engine_bench.md). That is XLA:CPU's
+layout only: for an accelerator (`compiling.backend()`) the keys are `[B, K, S, D]`
+like the values (`key_axes`), since XLA:TPU keeps them in its own layout and
+copied transposed keys into it every engine step. Then a mask
 `[B, S]` (1 where a real token was written) and `index`, the next slot to write:
 
 - a scalar: every row writes at the same position (the static sampler, which
@@ -39,13 +42,15 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
+from ba_jax.policy import compiling
 from ba_jax.policy import sharding as sharding_lib
 
 
 @flax.struct.dataclass
 class KVCache:
-  """Per-layer keys [B,num_kv_heads,head_dim,S] and values [B,num_kv_heads,S,head_dim]; mask [B,S];
+  """Per-layer keys [B,num_kv_heads,head_dim,S] (`key_axes`) and values [B,num_kv_heads,S,head_dim]; mask [B,S];
   index = next slot ([] or [B])."""
   k: tuple
   v: tuple
@@ -53,10 +58,24 @@ class KVCache:
   index: jax.Array
 
 
+def key_axes() -> str:
+  """The keys' layout for the platform being built for (`compiling.backend()`): "bkds" (sequence
+  last, see the module docstring) on XLA:CPU; "bksd", the values' layout, on accelerators, whose
+  compilers lay a decode step's keys out their own way: XLA:TPU copied every layer's [B,K,D,S]
+  keys into that layout once per engine step, a second cache-sized buffer per layer."""
+  return "bkds" if compiling.backend() == "cpu" else "bksd"
+
+
+def key_seq_axis() -> int:
+  """The sequence axis of the keys (`key_axes`)."""
+  return key_axes().index("s")
+
+
 def init_cache(config, batch_size: int, max_len: int, dtype=None, *, per_row: bool = False) -> KVCache:
   """An empty cache of `max_len` positions per row; `per_row` gives each row its own write index."""
   dtype = jnp.dtype(dtype or config.dtype)
-  k_shape = (batch_size, config.num_kv_heads, config.head_dim, max_len)
+  k_shape = ((batch_size, config.num_kv_heads, config.head_dim, max_len) if key_axes() == "bkds"
+             else (batch_size, config.num_kv_heads, max_len, config.head_dim))
   v_shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
   index = jnp.zeros((batch_size,) if per_row else (), jnp.int32)
   return KVCache(k=tuple(jnp.zeros(k_shape, dtype) for _ in range(config.num_layers)),
@@ -161,12 +180,14 @@ def _write_rows(buffer, update, index_B, axis: int):
 def write_kv(cache_k, cache_v, k_BxLxKxD, v_BxLxKxD, index):
   """Writes a step's keys/values [B,L,K,D] into one layer's [B,K,D,S] keys and [B,K,S,D] values
   at `index`."""
-  k = k_BxLxKxD.transpose(0, 2, 3, 1).astype(cache_k.dtype)
+  seq = key_seq_axis()
+  k = k_BxLxKxD.transpose((0, 2, 3, 1) if seq == 3 else (0, 2, 1, 3)).astype(cache_k.dtype)
   v = v_BxLxKxD.transpose(0, 2, 1, 3).astype(cache_v.dtype)
   if jnp.ndim(index) == 0:
-    return (jax.lax.dynamic_update_slice(cache_k, k, (0, 0, 0, index)),
+    k_start = tuple(index if a == seq else 0 for a in range(4))
+    return (jax.lax.dynamic_update_slice(cache_k, k, k_start),
             jax.lax.dynamic_update_slice(cache_v, v, (0, 0, index, 0)))
-  return _write_rows(cache_k, k, index, axis=3), _write_rows(cache_v, v, index, axis=2)
+  return _write_rows(cache_k, k, index, axis=seq), _write_rows(cache_v, v, index, axis=2)
 
 
 def extend(cache: KVCache, mask_BxL):
@@ -206,13 +227,14 @@ def grow(cache: KVCache, length: int) -> KVCache:
   if extra < 0:
     raise ValueError(f"cannot grow a cache of {cache.mask.shape[1]} positions to {length}")
   pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
-  return KVCache(k=tuple(pad(x, 3) for x in cache.k), v=tuple(pad(x, 2) for x in cache.v),
+  return KVCache(k=tuple(pad(x, key_seq_axis()) for x in cache.k), v=tuple(pad(x, 2) for x in cache.v),
                  mask=pad(cache.mask, 1), index=cache.index)
 
 
 def prefix(cache: KVCache, length: int) -> KVCache:
   """The cache's first `length` positions of every row (a copy); `put_prefix` writes them back."""
-  return KVCache(k=tuple(x[..., :length] for x in cache.k), v=tuple(x[:, :, :length] for x in cache.v),
+  take = lambda x, axis: jax.lax.slice_in_dim(x, 0, length, axis=axis)
+  return KVCache(k=tuple(take(x, key_seq_axis()) for x in cache.k), v=tuple(take(x, 2) for x in cache.v),
                  mask=cache.mask[:, :length], index=cache.index)
 
 
@@ -224,7 +246,7 @@ def put_prefix(cache: KVCache, part: KVCache) -> KVCache:
                  mask=put(cache.mask, part.mask), index=part.index)
 
 
-def fill_slots(cache: KVCache, slots_R, prefill: KVCache) -> KVCache:
+def fill_slots(cache: KVCache, slots_R, prefill: KVCache, mesh_rules=None) -> KVCache:
   """Resets slots `slots_R` and copies a prefilled [R, ..., P, ...] cache into their first P positions.
 
   An entry of `slots_R` equal to the slot count (out of range) is dropped, so a
@@ -233,10 +255,46 @@ def fill_slots(cache: KVCache, slots_R, prefill: KVCache) -> KVCache:
   engine's phases), the positions past the prefix keep the last row's mask too:
   `extend` reads only positions before a row's index (causal attention, RoPE
   offsets), so neither is ever seen.
+
+  With `mesh_rules` (the cache laid out as `constrain` pins it) each device
+  writes only the slots it holds (`jax.shard_map`): a scatter of replicated
+  slot indices into a slot-sharded cache is otherwise partitioned by gathering
+  the whole cache onto every device, one layer after another (on XLA:TPU, the
+  7B config's engine held several all-gathered layers of every slot at once).
   """
+  if mesh_rules is None:
+    return _fill_local(cache, slots_R, prefill)
+  mesh, rules = mesh_rules
+  cache = cache.replace(index=jnp.broadcast_to(cache.index, cache.mask.shape[:1]))
+  spec = lambda x, axes: sharding_lib.logical_to_spec(mesh, rules, axes, shape=x.shape)
+  cache_specs = KVCache(k=tuple(spec(x, CACHE_AXES["kv"]) for x in cache.k),
+                        v=tuple(spec(x, CACHE_AXES["kv"]) for x in cache.v),
+                        mask=spec(cache.mask, CACHE_AXES["mask"]),
+                        index=spec(cache.index, CACHE_AXES["index"]))
+  # The prefill is replicated over the slots' axes; its kv heads split as the cache's.
+  prefill_specs = KVCache(k=tuple(PartitionSpec(None, *sp[1:]) for sp in cache_specs.k),
+                          v=tuple(PartitionSpec(None, *sp[1:]) for sp in cache_specs.v),
+                          mask=PartitionSpec(), index=PartitionSpec())
+  slot_axes = cache_specs.mask[0] if len(cache_specs.mask) else None
+  slot_axes = () if slot_axes is None else (slot_axes,) if isinstance(slot_axes, str) else tuple(slot_axes)
+
+  def local(cache_l, slots, prefill_l):
+    held = cache_l.mask.shape[0]
+    first = jax.lax.axis_index(slot_axes) * held if slot_axes else 0
+    mine = (slots >= first) & (slots < first + held)
+    return _fill_local(cache_l, jnp.where(mine, slots - first, held), prefill_l)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(cache_specs, PartitionSpec(), prefill_specs),
+                       out_specs=cache_specs, check_vma=False)(cache, slots_R, prefill)
+
+
+def _fill_local(cache: KVCache, slots_R, prefill: KVCache) -> KVCache:
   M, S = cache.mask.shape
   P = prefill.mask.shape[1]
-  put_k = lambda big, small: big.at[slots_R, :, :, :P].set(small.astype(big.dtype), mode="drop")
+  if key_seq_axis() == 3:
+    put_k = lambda big, small: big.at[slots_R, :, :, :P].set(small.astype(big.dtype), mode="drop")
+  else:
+    put_k = lambda big, small: big.at[slots_R, :, :P].set(small.astype(big.dtype), mode="drop")
   put_v = lambda big, small: big.at[slots_R, :, :P].set(small.astype(big.dtype), mode="drop")
   mask_RxS = jnp.pad(prefill.mask, ((0, 0), (0, S - P)))
   index_R = jnp.broadcast_to(prefill.index, slots_R.shape).astype(jnp.int32)

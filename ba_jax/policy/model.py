@@ -20,6 +20,7 @@ from flax import nnx
 
 from ba_jax.config import schema
 from ba_jax.policy import attention as attention_lib
+from ba_jax.policy import compiling
 from ba_jax.policy import sharding as sharding_lib
 from ba_jax.policy import kv_cache as kv_cache_lib
 
@@ -310,7 +311,7 @@ class Attention(nnx.Module):
     else:
       k, v = kv_cache_lib.write_kv(*cache_kv, k, v, index)  # [B,K,D,S], [B,K,S,D]; shared or per-row index
       new_kv = (k, v)
-      out = attention_lib.full_attention(q, k, v, allowed_BxLxS, kv_axes="bksd", k_axes="bkds")
+      out = attention_lib.full_attention(q, k, v, allowed_BxLxS, kv_axes="bksd", k_axes=kv_cache_lib.key_axes())
     out = token_einsum("thd,hde->te", out, self.o_proj[...].astype(self.dtype)).astype(self.dtype)
     if self.o_bias is not None:
       out = out + self.o_bias[...].astype(self.dtype)
@@ -354,10 +355,10 @@ RESIDUAL_AXES = ("activation_batch", "length", "activation_embed")
 
 def layer_unroll(config: ModelConfig, backend: str | None = None) -> int:
   """Layer bodies per scan iteration: `config.scan_unroll`, or for 0 ("auto") every layer on CPU
-  and 1 on an accelerator (`backend`: default `jax.default_backend()`)."""
+  and 1 on an accelerator (`backend`: default `compiling.backend()`)."""
   if config.scan_unroll:
     return config.scan_unroll
-  return config.num_layers if (backend or jax.default_backend()) == "cpu" else 1
+  return config.num_layers if (backend or compiling.backend()) == "cpu" else 1
 
 
 def _remat(fn, policy: str):

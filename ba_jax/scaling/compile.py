@@ -52,7 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ba_jax.policy import attention as attention_lib
+from ba_jax.policy import compiling
 from ba_jax.scaling import flops as flops_lib
+from ba_jax.scaling import roofline as roofline_lib
+from ba_jax.scaling import targets as targets_lib
 from ba_jax.generation import engine as engine_lib
 from ba_jax.policy import kv_cache as kv_cache_lib
 from ba_jax.policy import model as model_lib
@@ -120,8 +123,52 @@ def _bytes_per_device(tree) -> int:
              * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def dry_run(config, *, devices=None, sample: bool = True,
-            one_update: bool = False, train: bool = True) -> dict:
+def dry_run(config, *, devices=None, target: targets_lib.Target | None = None,
+            sample: bool = True, one_update: bool = False, train: bool = True) -> dict:
+  """Compiles one train step (and the sampler) of ``config`` abstractly;
+  with ``target``, for that chip's slice by its own compiler
+  (``ba_jax.scaling.targets``), else on ``devices`` (XLA:CPU: an estimate).
+  See ``_dry_run``."""
+  if target is None:
+    return _dry_run(config, devices=devices, sample=sample, one_update=one_update, train=train)
+  devices = targets_lib.target_devices(target)
+  capacity = targets_lib.hbm_capacity(target, devices)
+  compile_fn = functools.partial(targets_lib.compile_on_target, capacity=capacity)
+  notes = []
+  if target.platform == "gpu" and attention_lib.resolve_impl(
+      config.model.attention_impl,
+      head_dim=config.model.head_dim or config.model.hidden_size // config.model.num_heads,
+      dtype=config.model.dtype, backend="gpu") == "cudnn":
+    # cuDNN's attention checks the cuDNN library while tracing, and a
+    # compile-only host has none: XLA's own attention stands in for it.
+    config = config.copy_and_resolve_references()
+    config.model.attention_impl = "xla"
+    notes.append("attention: cuDNN (what 'auto' picks on this GPU) cannot be traced "
+                 "without the cuDNN library on this host, so XLA's fused attention "
+                 "(jax.nn.dot_product_attention implementation='xla') was compiled in "
+                 "its place; a run on the GPU uses cuDNN")
+  with compiling.targeting(target.platform):
+    report = _dry_run(config, devices=devices, sample=sample, one_update=one_update,
+                      train=train, compile_fn=compile_fn)
+  report["notes"] += notes
+  engine = report.get("engine", {})
+  if "memory" in engine:  # slots for this chip, with the headroom kept free
+    usable = int((1 - targets_lib.HEADROOM) * capacity)
+    engine["chip_bytes"] = {target.chip.name: usable}
+    engine["slots_that_fit"] = slots_that_fit(engine, engine["rows_per_device"],
+                                              engine["chip_bytes"])
+  report["roofline"] = roofline_lib.estimate(report, target.chip)
+  report["target"] = dict(name=target.name, chip=target.chip.name, topology=target.topology,
+                          num_slices=target.num_slices, capacity_bytes=capacity,
+                          device_kind=devices[0].device_kind,
+                          compiler=("XLA:TPU (libtpu)" if target.platform == "tpu"
+                                    else "XLA:GPU (jax-cuda12-plugin)"),
+                          headroom=targets_lib.HEADROOM)
+  return report
+
+
+def _dry_run(config, *, devices=None, sample: bool = True, one_update: bool = False,
+             train: bool = True, compile_fn=None) -> dict:
   """Compiles one train step (and the sampler) of ``config`` abstractly.
 
   Args:
@@ -152,6 +199,7 @@ def dry_run(config, *, devices=None, sample: bool = True,
   mesh, rules, rl = setup.mesh, setup.rules, setup.cfg.rl
   model_config = setup.model_config
   platform = mesh.devices.flat[0].platform
+  compile_fn = compile_fn or functools.partial(_compile, platform=platform)
   B, G, T = rl.prompts_per_step, rl.group_size, rl.max_new_tokens
   N, P = B * G, setup.cfg.task.max_prompt_len
   state_in = setup_lib.abstract_state(setup)
@@ -193,20 +241,20 @@ def dry_run(config, *, devices=None, sample: bool = True,
   if train:
     report["train_step"] = _dry_run_train(
         setup, state_in, batch_in, one_update=one_update,
-        shapes=(P, T, mesh, rules, with_ref), platform=platform)
+        shapes=(P, T, mesh, rules, with_ref), compile_fn=compile_fn)
   if sample and uses_engine(setup):
     # The trainer keeps the optimizer state (and a KL reference's
     # parameters) on the devices while it samples.
     resident = _bytes_per_device(state_in) - _bytes_per_device(state_in.params)
     if with_ref:
       resident += _bytes_per_device(state_in.params)
-    report["engine"] = _dry_run_engine(setup, state_in.params, platform,
+    report["engine"] = _dry_run_engine(setup, state_in.params, platform, compile_fn,
                                        resident)
   elif sample:
-    report["sample"] = _dry_run_sampler(setup, state_in.params, platform)
+    report["sample"] = _dry_run_sampler(setup, state_in.params, compile_fn)
   if sample and (rl.old_logp == "recompute" or with_ref):
     report["score"] = _dry_run_score(setup, state_in.params, batch_in,
-                                     platform)
+                                     compile_fn)
   return report
 
 
@@ -227,7 +275,7 @@ def _notes(c: model_lib.ModelConfig, prompt_len: int, response_len: int,
 
 
 def _dry_run_train(setup, state_in, batch_in, *, one_update, shapes,
-                   platform) -> dict:
+                   compile_fn) -> dict:
   """Compiles the trainer's jitted step (or one of its updates)."""
   step_cfg = setup.step_cfg
   updates = step_cfg.ppo_epochs * step_cfg.num_minibatches
@@ -242,7 +290,7 @@ def _dry_run_train(setup, state_in, batch_in, *, one_update, shapes,
       state_sharding=setup.state_sharding,
       batch_sharding={k: v.sharding for k, v in step_batch.items()},
       mesh=setup.mesh, rules=setup.rules)
-  out = _compile(step_fn.lower(state_in, step_batch), platform)
+  out = compile_fn(step_fn.lower(state_in, step_batch))
   out["updates_compiled"] = (compiled_cfg.ppo_epochs
                              * compiled_cfg.num_minibatches)
   if out["updates_compiled"] != updates:
@@ -255,7 +303,7 @@ def _dry_run_train(setup, state_in, batch_in, *, one_update, shapes,
   return out
 
 
-def _dry_run_sampler(setup, params_in, platform) -> dict:
+def _dry_run_sampler(setup, params_in, compile_fn) -> dict:
   """The sampler's program for one step's prompts (the model skips remat on
   its cached path, so a remat config lowers as it is)."""
   rl = setup.rollout_cfg
@@ -264,7 +312,7 @@ def _dry_run_sampler(setup, params_in, platform) -> dict:
       prompt_len=setup.cfg.task.max_prompt_len, group_size=rl.group_size,
       max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
       top_p=rl.top_p, top_k=rl.top_k, mesh=setup.mesh, rules=setup.rules)
-  out = _compile(lowered, platform)
+  out = compile_fn(lowered)
   out["prompt_bucket"] = sampler_lib.bucket_length(
       setup.cfg.task.max_prompt_len)
   return out
@@ -279,7 +327,7 @@ def uses_engine(setup) -> bool:
       rl.max_slots, rl.prompts_per_step * rl.group_size // jax.process_count())
 
 
-def _dry_run_engine(setup, params_in, platform, resident: int) -> dict:
+def _dry_run_engine(setup, params_in, platform, compile_fn, resident: int) -> dict:
   """The engine's program for one step's prompts through the config's slots,
   and the cache's share of it (to size the slots for each named slice);
   ``resident``: bytes per device the trainer holds besides (the AdamW
@@ -303,7 +351,7 @@ def _dry_run_engine(setup, params_in, platform, resident: int) -> dict:
       max_new_tokens=rl.max_new_tokens, slots=slots, mesh=mesh, rules=rules,
       temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p,
       prefill_chunk=rl.prefill_chunk, cache_dtype=compiled_dtype)
-  out = _compile(lowered, platform)
+  out = compile_fn(lowered)
   shards = kv_cache_lib.slot_shards(mesh, rules)
   cache = functools.partial(kv_cache_lib.bytes_per_device, c, mesh=mesh,
                             rules=rules)
@@ -318,17 +366,20 @@ def _dry_run_engine(setup, params_in, platform, resident: int) -> dict:
       compiled_cache_bytes_per_device=cache(slots, length, compiled_dtype),
       # One more slot on every batch shard.
       slot_bytes_per_device=cache(shards, length))
+  if "memory" not in out:  # the target's compiler refused it: nothing more to estimate
+    return out
   out["accelerator_peak"] = (out["memory"]["peak"]
                              - out["compiled_cache_bytes_per_device"]
                              + out["cache_bytes_per_device"])
   # What a device holds while the trainer samples: the engine and the rest.
   out["rollout_peak"] = out["accelerator_peak"] + resident
-  out["slots_that_fit"] = slots_that_fit(
-      out, rows_per_device=rl.prompts_per_step * rl.group_size // shards)
+  out["rows_per_device"] = rl.prompts_per_step * rl.group_size // shards
+  out["slots_that_fit"] = slots_that_fit(out, rows_per_device=out["rows_per_device"])
+  out["chip_bytes"] = {chip: gib * 2**30 for chip, gib in TPU_HBM_GIB.items()}
   return out
 
 
-def slots_that_fit(engine: dict, rows_per_device: int) -> dict:
+def slots_that_fit(engine: dict, rows_per_device: int, capacities: dict | None = None) -> dict:
   """Per named chip, the most slots per device whose engine peak, with the
   trainer's resident state, fits its HBM (0 if none; at most the rows per
   device, beyond which slots idle): the accelerator's estimated peak less
@@ -340,17 +391,18 @@ def slots_that_fit(engine: dict, rows_per_device: int) -> dict:
   (``engine.refill_widths``)."""
   per_slot = engine["slot_bytes_per_device"]
   rest = engine["rollout_peak"] - engine["cache_bytes_per_device"]
-  return {chip: min(rows_per_device, max(0, int((gib * 2**30 - rest) // per_slot)))
-          for chip, gib in TPU_HBM_GIB.items()}
+  if capacities is None:
+    capacities = {chip: gib * 2**30 for chip, gib in TPU_HBM_GIB.items()}
+  return {chip: min(rows_per_device, max(0, int((capacity - rest) // per_slot)))
+          for chip, capacity in capacities.items()}
 
 
-def _dry_run_score(setup, params_in, batch_in, platform) -> dict:
+def _dry_run_score(setup, params_in, batch_in, compile_fn) -> dict:
   """The trainer's scoring program (old or reference log-probs)."""
   fn = jax.jit(functools.partial(
       trainer.score_logp, graphdef=setup.graphdef,
       temperature=setup.step_cfg.temperature,
       prompt_group=setup.step_cfg.prompt_group))
   keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
-  return _compile(fn.lower(params_in, {k: batch_in[k] for k in keys}),
-                  platform)
+  return compile_fn(fn.lower(params_in, {k: batch_in[k] for k in keys}))
 

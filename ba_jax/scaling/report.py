@@ -3,6 +3,7 @@ TPU slice's HBM, FLOPs against the analytic estimate; and the accelerator
 check's lines (``ba_jax.scaling.accelerator``)."""
 from __future__ import annotations
 
+from ba_jax.scaling import targets as targets_lib
 from ba_jax.scaling.compile import ESTIMATE_NOTE, MEMORY_FIELDS, TPU_HBM_GIB
 
 
@@ -51,11 +52,15 @@ def format_report(report: dict) -> str:
   lines.append(f"{'per device':<26}" + "".join(f"{p:>16}" for p in programs))
   for field in MEMORY_FIELDS + ("peak",):
     lines.append(f"{field:<26}" + "".join(
-        f"{_bytes(report[p]['memory'][field]):>16}" for p in programs))
+        f"{_bytes(report[p]['memory'][field]) if 'memory' in report[p] else 'refused':>16}"
+        for p in programs))
   lines.append(f"{'FLOPs (XLA)':<26}" + "".join(
-      f"{report[p]['flops_per_device']:>16.3e}" for p in programs))
+      f"{report[p].get('flops_per_device', float('nan')):>16.3e}" for p in programs))
   lines.append(f"{'compile (s)':<26}" + "".join(
       f"{report[p]['compile_s']:>16}" for p in programs))
+  if "target" in report:
+    lines.append(f"{'kernels':<26}" + "".join(
+        f"{_kernels(report[p]):>16}" for p in programs))
   n = report["devices"]
   a = {k: v / n for k, v in report["analytic_flops"].items()}
   lines += [
@@ -73,6 +78,13 @@ def format_report(report: dict) -> str:
     lines.append("  (the engine's XLA count is one decode step of its slots "
                  "plus one prefill per refill width, so not comparable)")
   lines.append("")
+  if "target" in report:
+    lines += target_lines(report)
+    if "engine" in report and "memory" in report["engine"]:
+      lines += ["", *_engine_lines(report)]
+    if "roofline" in report:
+      lines += ["", *roofline_lines(report)]
+    return "\n".join(lines)
   lines.append(f"fits per chip ({report['devices']} chips; "
                "peak per device vs HBM per chip):")
   for chip, gib in TPU_HBM_GIB.items():
@@ -96,6 +108,68 @@ def format_report(report: dict) -> str:
                  f"{s['ppo_epochs'] * s['num_minibatches']} updates; "
                  "full batch added to the arguments")
   return "\n".join(lines)
+
+
+def _kernels(program: dict) -> str:
+  kernels = program.get("kernels", {})
+  return ", ".join(f"{k} {v}" for k, v in sorted(kernels.items())) or "none"
+
+
+def program_verdicts(report: dict) -> dict:
+  """Per compiled program, its fit on the target with headroom
+  (``targets.verdict``); the engine counts the trainer's resident state."""
+  out = {}
+  for p in PROGRAMS:
+    if p in report:
+      resident = report[p].get("resident_bytes_per_device", 0) if p == "engine" else 0
+      out[p] = targets_lib.verdict(report[p], resident)
+  return out
+
+
+def target_lines(report: dict) -> list[str]:
+  t = report["target"]
+  lines = [f"target {t['name']}: {report['devices']} x {t['device_kind']}"
+           + (f" in {t['num_slices']} slices" if t["num_slices"] > 1 else "")
+           + f", compiled by {t['compiler']}; a program may use "
+           f"{_bytes(t['capacity_bytes'])} per chip (the compiler's figure); "
+           f"a fit leaves {100 * t['headroom']:.0f}% of it free"]
+  for p, v in program_verdicts(report).items():
+    program = report[p]
+    name = "engine + resident optimizer state" if p == "engine" else p
+    if program["compiler_refused"]:
+      lines.append(f"  {name}: does NOT fit: the compiler refused it ({program['refusal']})")
+      continue
+    state = "fits" if v["fits"] else "does NOT fit"
+    lines.append(f"  {name}: {state}: {_bytes(v['needed_bytes'])} of "
+                 f"{_bytes(v['capacity_bytes'])} ({100 * (1 - v['headroom']):.1f}% used), "
+                 f"compile {program['compile_s']} s, kernels: {_kernels(program)}")
+  return lines
+
+
+def roofline_lines(report: dict) -> list[str]:
+  r = report["roofline"]
+  lines = [f"roofline per {r['chip']} chip (an upper bound on speed: peak "
+           f"{r['peak_bf16_flops'] / 1e12:g} TFLOP/s bf16, {r['hbm_bytes_per_s'] / 1e9:g} GB/s HBM; "
+           "ba_jax.scaling.roofline):"]
+  for name in ("train_step", "decode_step"):
+    if name in r:
+      x = r[name]
+      lines.append(f"  {name}: {x['flops']:.3e} FLOPs, {_bytes(x['bytes'])} -> "
+                   f"{x['seconds'] * 1e3:.4g} ms ({x['bound']}-bound), "
+                   f"{x['tokens_per_s']:,.0f} tokens/s per chip, MFU at most {100 * x['mfu']:.0f}%")
+  return lines
+
+
+def misfit_line(report: dict) -> str | None:
+  """One line naming the first program that does not fit the target, or None."""
+  if "target" not in report:
+    return None
+  for p, v in program_verdicts(report).items():
+    if not v["fits"]:
+      return (f"dry run: {p} does not fit {report['target']['name']}: it needs "
+              f"{_bytes(v['needed_bytes'])} per chip, the chip has {_bytes(v['capacity_bytes'])} "
+              f"(and {100 * targets_lib.HEADROOM:.0f}% is kept free)")
+  return None
 
 
 def _engine_lines(report: dict) -> list[str]:
@@ -123,7 +197,7 @@ def _engine_lines(report: dict) -> list[str]:
       "the cache's bytes per slot):"]
   for chip, fit in e["slots_that_fit"].items():
     budget = fit * e["slot_bytes_per_device"] / 2**30
-    lines.append(f"  {chip}-{n} ({TPU_HBM_GIB[chip]} GiB): {fit} per device "
+    lines.append(f"  {chip}-{n} ({_bytes(e['chip_bytes'][chip])}): {fit} per device "
                  f"= {fit * e['slot_shards']} slots on the mesh "
                  f"(KV cache {budget:.3g} GiB per device)")
   if not e["kv_cache_gib"]:

@@ -16,8 +16,12 @@
 # Required: CONFIG, WORKDIR. Optional: INIT_FROM, TASK_PATH (set
 # config.init_from and config.task.path), NUM_GPUS (default: counted with
 # nvidia-smi), PYTHON (default python3), DRY=1 (print the commands, run
-# nothing). Extra arguments are passed to ba_jax.train.
+# nothing). Extra arguments are passed to ba_jax.train. Before launching,
+# the config is compiled for the GPUs by XLA:GPU on this machine
+# (fit_check.sh: TARGET=h100:1x8 for one host of 8 H100s; needs
+# pip install -e ".[aot]") and refused if it does not fit.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/fit_check.sh"
 
 : "${CONFIG:?set CONFIG, e.g. configs/qwen3_1p7b_polaris.py:agg=balanced}"
 : "${WORKDIR:?set WORKDIR to the run directory}"
@@ -43,21 +47,23 @@ show() {  # prints a command, shell-quoted
 }
 
 case "${MODE}" in
-  single)
-    cmd=("${PYTHON}" -m ba_jax.train "${train_args[@]}")
-    if [[ "${DRY}" == "1" ]]; then
-      show "${cmd[@]}"
-      exit 0
-    fi
-    exec "${cmd[@]}"
-    ;;
-  multi) ;;
+  single|multi) ;;
   *)
     echo "MODE=${MODE}: expected 'single' (one process, all GPUs) or 'multi'" \
       "(one process per GPU group)" >&2
     exit 2
     ;;
 esac
+fit_check "$@"
+
+if [[ "${MODE}" == "single" ]]; then
+  cmd=("${PYTHON}" -m ba_jax.train "${train_args[@]}")
+  if [[ "${DRY}" == "1" ]]; then
+    show "${cmd[@]}"
+    exit 0
+  fi
+  exec "${cmd[@]}"
+fi
 
 if [[ -z "${NUM_GPUS:-}" ]]; then
   if ! command -v nvidia-smi >/dev/null; then

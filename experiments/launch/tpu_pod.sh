@@ -17,9 +17,12 @@
 # worker), PYTHON (default python3), DRY=1 (print the command, run nothing).
 # Extra arguments are passed to ba_jax.train.
 #
-# Check memory first: python -m ba_jax.dry_run --config=$CONFIG (see
-# experiments/launch/README.md).
+# Before launching, the config is compiled for the pod's slice by the TPU
+# compiler on this machine (fit_check.sh: TARGET=v5e:8x8 or the pod's own
+# topology, NUM_SLICES for several; needs pip install -e ".[aot]") and
+# refused, with the program named, if it does not fit.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/fit_check.sh"
 
 : "${TPU_NAME:?set TPU_NAME to the TPU VM pod name}"
 : "${CONFIG:?set CONFIG, e.g. configs/qwen25_math_7b_dapo17k.py:agg=balanced}"
@@ -35,6 +38,7 @@ if [[ -n "${TASK_PATH:-}" ]]; then
   train_args+=("--config.task.path=${TASK_PATH}")
 fi
 train_args+=("$@")
+fit_check "$@"
 
 # The command each worker runs, quoted for its shell.
 remote="cd $(printf '%q' "${REPO_DIR}") && BA_JAX_DISTRIBUTED=1 $(printf '%q' "${PYTHON}") -m ba_jax.train"
