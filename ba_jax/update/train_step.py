@@ -3,8 +3,10 @@
 ``train_step(state, batch, graphdef=..., tx=..., cfg=...)`` takes the policy
 parameters and optimizer state and a batch of scored rollouts and returns the
 updated state and device metrics. Everything static (the model graph, the
-optimizer, the aggregation mode and its options) is bound before ``jax.jit``,
-so one compiled program serves the whole run.
+optimizer, the aggregation mode, the surrogate, the correction and their
+options) is bound before ``jax.jit``, so one compiled program serves the
+whole run. Each step also logs the sampler-trainer gap
+(``ba_jax.loss.mismatch``).
 
 Aggregation weights are computed once per PPO mini-batch, before the
 mini-batch is split into micro-batches, so the update does not depend on how
@@ -126,12 +128,6 @@ class StepConfig:
     return {name: getattr(self, name) for name in (
         "surrogate", "correction", "correction_cap", "correction_floor",
         "icepop_low", "icepop_high", "cispo_cap", "sapo_tau_pos", "sapo_tau_neg")}
-
-  @property
-  def correction_options(self) -> dict:
-    """The correction's bounds, as ``objectives.correction_weights`` takes them."""
-    return dict(cap=self.correction_cap, floor=self.correction_floor,
-                icepop_low=self.icepop_low, icepop_high=self.icepop_high)
 
   def check_batch(self, num_rows: int, data_shards: int = 1) -> None:
     """Raises if ``num_rows`` does not split into groups, mini/micro-batches
@@ -296,10 +292,9 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx,
 
 
 def _mismatch_source(batch: dict, cfg: StepConfig) -> str | None:
-  """Where the step finds the trainer's log-probs at its start, to compare
-  with the sampler's: "batch" (recomputed: old_logp, next to
-  behaviour_logp), "first_update" (the first mini-batch's own forward
-  pass, before any update), or None (recomputed old log-probs without the
+  """Where the trainer's log-probs at the step's start are: "batch" (old_logp,
+  recomputed, next to behaviour_logp), "first_update" (the first mini-batch's
+  forward pass, before any update) or None (recomputed without the
   sampler's: an abstract batch)."""
   if "behaviour_logp" in batch:
     return "batch"
@@ -345,7 +340,9 @@ def _train_step(state: TrainState, batch: dict, *, graphdef, tx, cfg: StepConfig
   out["w_pos"] = jnp.mean(stacked["w_pos"][0])
   out["w_neg"] = jnp.mean(stacked["w_neg"][0])
   out["param_norm"] = optax.global_norm(trainable(state.params)[0])  # LoRA: the adapters' norm
-  options = dict(correction=cfg.correction, **cfg.correction_options)
+  options = dict(correction=cfg.correction, cap=cfg.correction_cap,
+                 floor=cfg.correction_floor, icepop_low=cfg.icepop_low,
+                 icepop_high=cfg.icepop_high)
   if source == "batch":
     out.update(mismatch.mismatch_metrics(batch["old_logp"], batch["behaviour_logp"],
                                          batch["response_mask"], **options))
