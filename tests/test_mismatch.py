@@ -42,6 +42,9 @@ def test_metrics_equal_numpy_by_length_bucket():
     sel = on[rows]
     assert out[f"mismatch_tokens_len{b}"] == sel.sum()
     np.testing.assert_allclose(out[f"mismatch_k3_len{b}"], k3[rows][sel].mean(), rtol=1e-5)
+    for q in (1, 99):
+      np.testing.assert_allclose(out[f"mismatch_ratio_p{q:02d}_len{b}"],
+                                 np.quantile(np.exp(d[rows][sel]), q / 100), rtol=1e-5)
     np.testing.assert_allclose(out[f"mismatch_corrected_frac_len{b}"],
                                outside[rows][sel].mean(), rtol=1e-6)
   empty = jax.device_get(mismatch.mismatch_metrics(trainer, behaviour, mask * 0))

@@ -41,8 +41,9 @@ def mismatch_metrics(trainer_logp, behaviour_logp, mask, *,
   the response tokens; ``mismatch_tokens``: how many tokens were compared;
   with a correction, ``mismatch_corrected_frac``: the fraction of tokens it
   truncates or masks (a sequence-level one counts every token of a
-  corrected sequence). ``*_len{b}`` repeat a statistic over the responses
-  whose length falls in quarter ``b`` (1-4) of the budget ``T``, with
+  corrected sequence). ``*_len{b}`` repeat the k3 mean, the 1st and 99th
+  percentiles and the corrected fraction over the responses whose length
+  falls in quarter ``b`` (1-4) of the budget ``T``, with
   ``mismatch_tokens_len{b}``. Undefined values (no token) are NaN.
   ``correction_options``: as ``objectives.correction_weights``.
   """
@@ -74,7 +75,12 @@ def mismatch_metrics(trainer_logp, behaviour_logp, mask, *,
     out["mismatch_corrected_frac"] = mean(corrected_NxT)
     corrected_B, _ = _bucket_means(corrected_NxT, mask_NxT, bucket_N,
                                    LENGTH_BUCKETS)
+  tails = jnp.asarray((QUANTILES[0], QUANTILES[-1]))
   for b in range(LENGTH_BUCKETS):
+    in_bucket = jnp.repeat(bucket_N == b, T)
+    low, high = jnp.nanquantile(jnp.where(in_bucket, rho, jnp.nan), tails)
+    out[f"mismatch_ratio_p{round(QUANTILES[0] * 100):02d}_len{b + 1}"] = low
+    out[f"mismatch_ratio_p{round(QUANTILES[-1] * 100):02d}_len{b + 1}"] = high
     out[f"mismatch_k3_len{b + 1}"] = k3_B[b]
     out[f"mismatch_tokens_len{b + 1}"] = tokens_B[b]
     if corrected_B is not None:
