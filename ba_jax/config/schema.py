@@ -83,6 +83,11 @@ AGGREGATIONS = ("token", "sequence", "dr_grpo", "balanced")
 BA_DENOMINATORS = ("group", "signed")
 BA_SCOPES = ("group", "batch")
 KL_TYPES = ("k1", "k2", "k3")
+# The policy objective's per-token term and the sampler-trainer correction
+# (ba_jax.loss.objectives; docs/aggregation.md).
+SURROGATES = ("ppo_clip", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "luspo")
+CORRECTIONS = ("none", "tis_token", "tis_sequence", "mis_token", "mis_sequence", "icepop")
+OLD_LOGP_SOURCES = ("sampler", "recompute")
 MODEL_TYPES = ("qwen2", "qwen3", "llama")
 ANSWER_RULES = ("tags", "last_number", "last_line", "full")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
@@ -130,8 +135,9 @@ class Rl:
   num_minibatches: int = key(2, "optimizer updates per epoch (whole groups each)",
                              check=at_least(1))
   num_microbatches: int = key(1, "gradient accumulation inside a mini-batch", check=at_least(1))
-  old_logp: str = key("sampler", "the behaviour log-probs: the sampler's or recomputed",
-                      choices=("sampler", "recompute"))
+  old_logp: str = key("sampler", "the surrogate's old log-probs: the sampler's, or recomputed "
+                      "by the trainer at the step's start (one more forward pass, no backward); "
+                      "loss.correction needs recompute", choices=OLD_LOGP_SOURCES)
   advantage_std: str = key("group", "advantage normalisation (none: Dr. GRPO)",
                            choices=("group", "batch", "none"))
   dynamic_sampling: bool = key(False, "DAPO: drop groups whose rewards are all equal")
@@ -151,10 +157,28 @@ class Rl:
 class Loss:
   """The policy loss (``ba_jax.loss.losses.policy_loss``); static in the step."""
   aggregation: str = key("balanced", "how per-token terms become one loss", choices=AGGREGATIONS)
-  eps_low: float = key(0.2, "clip range below 1", check=between(0, 1, hi_open=True))
-  eps_high: float = key(0.28, "clip range above 1 (clip-higher when > eps_low)",
-                        check=at_least(0))
-  dual_clip: float | None = key(None, "c > 1 caps the ratio for A < 0 (None: off)",
+  surrogate: str = key("ppo_clip", "the per-token (or per-sequence) policy term; "
+                       "docs/aggregation.md", choices=SURROGATES)
+  correction: str = key("none", "sampler-trainer mismatch: truncated (tis) or masked (mis) "
+                        "importance weights exp(old - sampler), per token or sequence; "
+                        "icepop", choices=CORRECTIONS)
+  correction_cap: float = key(2.0, "tis/mis: the weight's upper bound C", check=above(0))
+  correction_floor: float | None = key(None, "tis/mis: the weight's lower bound (None: none)",
+                                       check=above(0))
+  icepop_low: float = key(0.5, "icepop: tokens whose weight is below this are masked",
+                          check=above(0))
+  icepop_high: float = key(5.0, "icepop: tokens whose weight is above this are masked",
+                           check=above(0))
+  cispo_cap: float = key(5.0, "cispo: the stop-gradient IS weight is min(ratio, this) "
+                         "(ScaleRL's eps_max; MiniMax's 1 + eps_high)", check=above(0))
+  sapo_tau_pos: float = key(1.0, "sapo: the soft gate's temperature for A > 0", check=above(0))
+  sapo_tau_neg: float = key(1.05, "sapo: the soft gate's temperature for A <= 0",
+                            check=above(0))
+  eps_low: float = key(0.2, "clip range below 1 (gmpo: of the log-ratio)",
+                       check=between(0, 1, hi_open=True))
+  eps_high: float = key(0.28, "clip range above 1 (clip-higher when > eps_low; gmpo: of the "
+                        "log-ratio)", check=at_least(0))
+  dual_clip: float | None = key(None, "c > 1 caps the ratio for A < 0 (None: off; ppo_clip only)",
                                 check=above(1))
   kl_coef: float = key(0.0, "> 0 loads a frozen reference policy", check=at_least(0))
   kl_type: str = key("k3", "KL estimator", choices=KL_TYPES)

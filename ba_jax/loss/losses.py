@@ -1,7 +1,9 @@
 """Per-token policy-gradient terms and the GRPO loss built from them.
 
-The surrogate, the KL penalty and the entropy bonus are per-token arrays
-[N, T]; ``ba_jax.loss.aggregation`` turns each into a scalar. The policy term uses
+The surrogate (``ba_jax.loss.objectives``: PPO-clip by default, or GSPO,
+GMPO, CISPO, SAPO, LUSPO) times the sampler-trainer correction, the KL
+penalty and the entropy bonus are per-token arrays [N, T];
+``ba_jax.loss.aggregation`` turns each into a scalar. The policy term uses
 the aggregation mode under study; the regularisers use their own mode
 (``reg_aggregation``, default ``token``) so that BA's zero weight on
 zero-advantage sequences never silently drops them (docs/aggregation.md).
@@ -14,38 +16,11 @@ import jax.numpy as jnp
 
 from ba_jax.config import schema
 from ba_jax.loss import aggregation as agg
+from ba_jax.loss import objectives
 from ba_jax.loss.aggregation import check_option
+from ba_jax.loss.objectives import clipped_surrogate  # noqa: F401 (public name)
 
 KL_TYPES = schema.KL_TYPES
-
-
-def clipped_surrogate(logp, old_logp, advantages, *, eps_low: float,
-                      eps_high: float, dual_clip: float | None = None):
-  """PPO surrogate per token, with clip-higher and an optional dual clip.
-
-  ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` with
-  ``r = exp(logp - old_logp)``; with ``dual_clip = c`` (> 1) tokens of
-  negative-advantage sequences are also capped: ``l = min(l, -A c)``.
-
-  Returns:
-    (loss_NxT, ratio_NxT, low_clipped_NxT, high_clipped_NxT, dual_clipped_NxT)
-    where the three masks mark tokens whose gradient a clip has zeroed.
-  """
-  if dual_clip is not None and dual_clip <= 1.0:
-    raise ValueError(f"dual_clip must be > 1 (or None); got {dual_clip!r}.")
-  ratio = jnp.exp(logp - old_logp)
-  adv = advantages[:, None]
-  unclipped = -adv * ratio
-  clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-  loss = jnp.maximum(unclipped, clipped)
-  low_clipped = jnp.logical_and(adv < 0, ratio < 1.0 - eps_low)
-  high_clipped = jnp.logical_and(adv > 0, ratio > 1.0 + eps_high)
-  dual_clipped = jnp.zeros_like(low_clipped)
-  if dual_clip is not None:
-    cap = -adv * dual_clip
-    dual_clipped = jnp.logical_and(adv < 0, loss > cap)
-    loss = jnp.where(adv < 0, jnp.minimum(loss, cap), loss)
-  return loss, ratio, low_clipped, high_clipped, dual_clipped
 
 
 def kl_penalty(logp, ref_logp, kind: str = "k3"):
@@ -75,12 +50,27 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
                 reg_aggregation: str = "token",
                 max_response_len: int | None = None,
                 ba_denominator: str = "group", ba_scope: str = "group",
-                weights=None, reg_weights=None):
+                weights=None, reg_weights=None, surrogate: str = "ppo_clip",
+                correction: str = "none", behaviour_logp=None,
+                correction_cap: float = 2.0,
+                correction_floor: float | None = None,
+                icepop_low: float = 0.5, icepop_high: float = 5.0,
+                cispo_cap: float = 5.0, sapo_tau_pos: float = 1.0,
+                sapo_tau_neg: float = 1.05):
   """The GRPO loss and its metrics.
 
   Args:
     logp, old_logp: [N, T] log-probs of the response tokens under the current
-      and the behaviour policy.
+      and the old policy (the trainer's at the step's start, or the
+      sampler's standing in for it).
+    surrogate: the policy term (static), ``objectives.SURROGATES``; its
+      options ``eps_low``/``eps_high``/``dual_clip``, ``cispo_cap``,
+      ``sapo_tau_pos``/``sapo_tau_neg``.
+    correction: the sampler-trainer correction (static),
+      ``objectives.CORRECTIONS``, a stop-gradient factor on each token's
+      term from ``old_logp - behaviour_logp`` (needed unless "none"); its
+      bounds ``correction_cap``/``correction_floor``,
+      ``icepop_low``/``icepop_high``.
     advantages: [N]. mask: [N, T] response mask.
     aggregation: the policy term's mode (static), see ``aggregation.MODES``.
     ref_logp: [N, T] reference-policy log-probs, needed when ``kl_coef > 0``.
@@ -96,6 +86,11 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
     rest are means over this call's ``num_tokens`` response tokens.
   """
   check_option("aggregation mode", aggregation, agg.MODES)
+  objectives.check_combination(
+      surrogate=surrogate, correction=correction, aggregation=aggregation,
+      dual_clip=dual_clip, correction_cap=correction_cap,
+      correction_floor=correction_floor, icepop_low=icepop_low,
+      icepop_high=icepop_high)
   check_option("reg_aggregation", reg_aggregation, agg.MODES)
   if kl_coef and ref_logp is None:
     raise ValueError(f"kl_coef={kl_coef} needs ref_logp; got None.")
@@ -114,12 +109,33 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
     reg_weights = agg.token_weights(mask_NxT, advantages_N,
                                     mode=reg_aggregation, **weight_options)
 
-  surrogate, ratio, low, high, dual = clipped_surrogate(
-      logp, old_logp, advantages_N, eps_low=eps_low, eps_high=eps_high,
-      dual_clip=dual_clip)
-  pg_loss = jnp.sum(weights * surrogate)
+  if correction != "none" and behaviour_logp is None:
+    raise ValueError(f"correction={correction!r} needs behaviour_logp (the "
+                     "sampler's log-probs); got None.")
+  if surrogate == "ppo_clip":
+    terms, ratio, low, high, dual = clipped_surrogate(
+        logp, old_logp, advantages_N, eps_low=eps_low, eps_high=eps_high,
+        dual_clip=dual_clip)
+  else:
+    terms, ratio, low, high, dual = objectives.surrogate_terms(
+        logp, old_logp, advantages_N, mask_NxT, surrogate=surrogate,
+        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
+        cispo_cap=cispo_cap, sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg)
+  metrics = {}
+  if correction != "none":
+    factor, corrected = objectives.correction_weights(
+        old_logp, behaviour_logp, mask_NxT, correction=correction,
+        cap=correction_cap, floor=correction_floor, icepop_low=icepop_low,
+        icepop_high=icepop_high)
+    terms = terms * factor
+    metrics["correction_mean"] = _masked_mean(
+        jnp.broadcast_to(factor, mask_NxT.shape), mask_NxT)
+    metrics["corrected_frac"] = _masked_mean(
+        jnp.broadcast_to(corrected, mask_NxT.shape), mask_NxT)
+  pg_loss = jnp.sum(weights * terms)
   loss = pg_loss
-  metrics = {"pg_loss_sum": pg_loss}
+  metrics["pg_loss_sum"] = pg_loss
   if kl_coef:
     kl = kl_penalty(logp, ref_logp, kl_type)
     kl_loss = jnp.sum(reg_weights * kl)

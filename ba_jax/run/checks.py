@@ -22,6 +22,11 @@ def step_config(cfg: schema.RunConfig) -> ts.StepConfig:
       entropy_coef=loss.entropy_coef, reg_aggregation=loss.reg_aggregation,
       max_response_len=loss.max_response_len or rl.max_new_tokens,
       ba_denominator=loss.ba_denominator, ba_scope=loss.ba_scope,
+      surrogate=loss.surrogate, correction=loss.correction,
+      correction_cap=loss.correction_cap, correction_floor=loss.correction_floor,
+      icepop_low=loss.icepop_low, icepop_high=loss.icepop_high,
+      cispo_cap=loss.cispo_cap, sapo_tau_pos=loss.sapo_tau_pos,
+      sapo_tau_neg=loss.sapo_tau_neg, old_logp=rl.old_logp,
       ppo_epochs=rl.ppo_epochs, num_minibatches=rl.num_minibatches,
       num_microbatches=rl.num_microbatches, temperature=rl.temperature,
       share_prompt=rl.share_prompt)

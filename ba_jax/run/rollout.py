@@ -159,7 +159,7 @@ class Rollout:
   response_ids: np.ndarray  # [N, T]
   response_mask: np.ndarray  # [N, T] what the loss sees (overlong masked)
   sample_mask: np.ndarray  # [N, T] as sampled
-  old_logp: np.ndarray  # [N, T] sampler log-probs
+  old_logp: np.ndarray  # [N, T] the sampler's log-probs (behaviour; old unless rl.old_logp="recompute")
   rewards: np.ndarray  # [N]
   correct: np.ndarray  # [N] bool
   truncated: np.ndarray  # [N] bool

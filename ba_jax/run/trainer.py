@@ -314,7 +314,8 @@ def _loop(r: _Run, state, meta, heap: FrozenHeap) -> dict:
         prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
         response_ids=ro.response_ids, response_mask=ro.response_mask,
         advantages=ro.advantages, old_logp=ro.old_logp))
-    if rl.old_logp == "recompute":
+    if rl.old_logp == "recompute":  # the sampler's stay, as behaviour_logp
+      batch["behaviour_logp"] = batch["old_logp"]
       batch["old_logp"] = score(state.params, batch)
     if ref_params is not None:
       batch["ref_logp"] = score(ref_params, batch)

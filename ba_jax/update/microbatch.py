@@ -51,13 +51,16 @@ def combine_metrics(metrics_k: dict) -> dict:
   """Reduces metrics stacked over micro-batches (leading axis k).
 
   ``w_*``, ``*_sum`` and ``num_tokens`` add; ``*_min``/``*_max`` take the
-  min/max; everything else is a mean weighted by each part's ``num_tokens``
-  (a plain mean when that is absent or zero).
+  min/max; ``rows_*`` (per-row arrays) are concatenated back into the
+  mini-batch's rows; everything else is a mean weighted by each part's
+  ``num_tokens`` (a plain mean when that is absent or zero).
   """
   tokens_k = metrics_k.get("num_tokens")
   combined = {}
   for name, values in metrics_k.items():
-    if name.startswith("w_") or name.endswith("_sum") or name == "num_tokens":
+    if name.startswith("rows_"):
+      combined[name] = values.reshape(-1, *values.shape[2:])
+    elif name.startswith("w_") or name.endswith("_sum") or name == "num_tokens":
       combined[name] = jnp.sum(values, axis=0)
     elif name.endswith("_min"):
       combined[name] = jnp.min(values, axis=0)

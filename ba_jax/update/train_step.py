@@ -3,8 +3,10 @@
 ``train_step(state, batch, graphdef=..., tx=..., cfg=...)`` takes the policy
 parameters and optimizer state and a batch of scored rollouts and returns the
 updated state and device metrics. Everything static (the model graph, the
-optimizer, the aggregation mode and its options) is bound before ``jax.jit``,
-so one compiled program serves the whole run.
+optimizer, the aggregation mode, the surrogate, the correction and their
+options) is bound before ``jax.jit``, so one compiled program serves the
+whole run. Each step also logs the sampler-trainer gap
+(``ba_jax.loss.mismatch``).
 
 Aggregation weights are computed once per PPO mini-batch, before the
 mini-batch is split into micro-batches, so the update does not depend on how
@@ -27,6 +29,8 @@ from ba_jax.policy import compiling
 from ba_jax.config import schema
 from ba_jax.loss import aggregation as agg
 from ba_jax.loss import losses
+from ba_jax.loss import mismatch
+from ba_jax.loss import objectives
 from ba_jax.update import microbatch
 from ba_jax.policy import lora as lora_lib
 from ba_jax.policy import sharding as sharding_lib
@@ -54,6 +58,12 @@ SCHEMA_KEYS = {
     "reg_aggregation": "loss.reg_aggregation",
     "max_response_len": "loss.max_response_len",
     "ba_denominator": "loss.ba_denominator", "ba_scope": "loss.ba_scope",
+    "surrogate": "loss.surrogate", "correction": "loss.correction",
+    "correction_cap": "loss.correction_cap",
+    "correction_floor": "loss.correction_floor",
+    "icepop_low": "loss.icepop_low", "icepop_high": "loss.icepop_high",
+    "cispo_cap": "loss.cispo_cap", "sapo_tau_pos": "loss.sapo_tau_pos",
+    "sapo_tau_neg": "loss.sapo_tau_neg", "old_logp": "rl.old_logp",
     "ppo_epochs": "rl.ppo_epochs", "num_minibatches": "rl.num_minibatches",
     "num_microbatches": "rl.num_microbatches", "temperature": "rl.temperature",
     "share_prompt": "rl.share_prompt"}
@@ -74,6 +84,19 @@ class StepConfig:
   max_response_len: int | None = None
   ba_denominator: str = "group"
   ba_scope: str = "group"
+  surrogate: str = "ppo_clip"
+  correction: str = "none"
+  correction_cap: float = 2.0
+  correction_floor: float | None = None
+  icepop_low: float = 0.5
+  icepop_high: float = 5.0
+  cispo_cap: float = 5.0
+  sapo_tau_pos: float = 1.0
+  sapo_tau_neg: float = 1.05
+  # Where the batch's old_logp come from: "sampler" (its log-probs stand in
+  # for old), or "recompute" (the batch then also holds the sampler's as
+  # behaviour_logp).
+  old_logp: str = "sampler"
   ppo_epochs: int = 1
   num_minibatches: int = 1
   num_microbatches: int = 1
@@ -92,6 +115,19 @@ class StepConfig:
       value = getattr(self, name)
       if name != "max_response_len" or value is not None:
         schema.check(dotted, value)
+    objectives.check_combination(
+        surrogate=self.surrogate, correction=self.correction,
+        aggregation=self.aggregation, dual_clip=self.dual_clip,
+        old_logp=self.old_logp, correction_cap=self.correction_cap,
+        correction_floor=self.correction_floor, icepop_low=self.icepop_low,
+        icepop_high=self.icepop_high)
+
+  @property
+  def objective(self) -> dict:
+    """The surrogate's and the correction's options, as ``policy_loss`` takes them."""
+    return {name: getattr(self, name) for name in (
+        "surrogate", "correction", "correction_cap", "correction_floor",
+        "icepop_low", "icepop_high", "cispo_cap", "sapo_tau_pos", "sapo_tau_neg")}
 
   def check_batch(self, num_rows: int, data_shards: int = 1) -> None:
     """Raises if ``num_rows`` does not split into groups, mini/micro-batches
@@ -164,13 +200,13 @@ def create_state(params, tx: optax.GradientTransformation) -> TrainState:
                     nonfinite=jnp.zeros((), jnp.int32))
 
 
-def _loss_fn(params, micro, *, graphdef, cfg: StepConfig):
+def _loss_fn(params, micro, *, graphdef, cfg: StepConfig, keep_logp: bool = False):
   model = nnx.merge(graphdef, params)
   logp_NxT, entropy_NxT = score_responses(
       model, micro["prompt_ids"], micro["prompt_mask"], micro["response_ids"],
       micro["response_mask"], temperature=cfg.temperature,
       prompt_group=cfg.prompt_group)
-  return losses.policy_loss(
+  out = losses.policy_loss(
       logp_NxT, micro["old_logp"], micro["advantages"], micro["response_mask"],
       group_size=cfg.group_size, aggregation=cfg.aggregation,
       eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
@@ -179,11 +215,19 @@ def _loss_fn(params, micro, *, graphdef, cfg: StepConfig):
       entropy_coef=cfg.entropy_coef, reg_aggregation=cfg.reg_aggregation,
       max_response_len=cfg.max_response_len,
       ba_denominator=cfg.ba_denominator, ba_scope=cfg.ba_scope,
-      weights=micro["weights"], reg_weights=micro["reg_weights"])
+      weights=micro["weights"], reg_weights=micro["reg_weights"],
+      behaviour_logp=micro.get("behaviour_logp"), **cfg.objective)
+  if keep_logp:  # the current log-probs, for the mismatch metrics
+    loss, metrics = out
+    return loss, dict(metrics, rows_logp=jax.lax.stop_gradient(logp_NxT))
+  return out
 
 
-def _update(state: TrainState, mini: dict, *, graphdef, tx, cfg: StepConfig):
-  """One optimizer update on one mini-batch; skipped when not finite."""
+def _update(state: TrainState, mini: dict, *, graphdef, tx, cfg: StepConfig,
+            keep_logp: bool = False):
+  """One optimizer update on one mini-batch; skipped when not finite. With
+  ``keep_logp`` the metrics also hold ``rows_logp``, the mini-batch's
+  log-probs before the update."""
   mask_NxT = mini["response_mask"].astype(jnp.float32)
   mini = dict(mini, **microbatch.mini_batch_weights(
       mask_NxT, mini["advantages"], aggregation=cfg.aggregation,
@@ -192,7 +236,8 @@ def _update(state: TrainState, mini: dict, *, graphdef, tx, cfg: StepConfig):
       ba_denominator=cfg.ba_denominator, ba_scope=cfg.ba_scope))
   # Gradients and updates of the trainable part only (LoRA: the adapters).
   train, frozen = trainable(state.params)
-  loss_fn = lambda p, micro: _loss_fn(_join(p, frozen), micro, graphdef=graphdef, cfg=cfg)
+  loss_fn = lambda p, micro: _loss_fn(_join(p, frozen), micro, graphdef=graphdef, cfg=cfg,
+                                      keep_logp=keep_logp)
   loss, grads, metrics = microbatch.accumulate_gradients(
       loss_fn, train, mini, num_micro_batches=cfg.num_microbatches)
   grad_norm = optax.global_norm(grads)
@@ -228,29 +273,58 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx,
   Args:
     state: the TrainState (donated by the jitted wrapper).
     batch: ``prompt_ids``/``prompt_mask`` [N, P], ``response_ids``/
-      ``response_mask`` [N, T], ``advantages`` [N], ``old_logp`` [N, T] and,
-      when ``cfg.kl_coef > 0``, ``ref_logp`` [N, T]; rows group-major.
+      ``response_mask`` [N, T], ``advantages`` [N], ``old_logp`` [N, T],
+      with ``cfg.old_logp="recompute"`` ``behaviour_logp`` [N, T] (the
+      sampler's; needed by a correction) and, when ``cfg.kl_coef > 0``,
+      ``ref_logp`` [N, T]; rows group-major.
     mesh_rules: ``(mesh, rules)`` to pin activations to (rows over the batch
       mesh axes, see ``sharding.activation_sharding``); None leaves them to
       the compiler.
   Returns:
     ``(state, metrics)``: metrics averaged over the updates, except
-    ``nonfinite`` (summed) and ``*_max`` (max).
+    ``nonfinite`` (summed) and ``*_max`` (max); and the sampler-trainer gap
+    (``mismatch.mismatch_metrics``, ``mismatch_*``) over the whole batch
+    when it holds ``behaviour_logp``, else over the first mini-batch, whose
+    first forward pass is the trainer at the step's start.
   """
   with sharding_lib.activation_sharding(*(mesh_rules or (None,))):
     return _train_step(state, batch, graphdef=graphdef, tx=tx, cfg=cfg)
+
+
+def _mismatch_source(batch: dict, cfg: StepConfig) -> str | None:
+  """Where the trainer's log-probs at the step's start are: "batch" (old_logp,
+  recomputed, next to behaviour_logp), "first_update" (the first mini-batch's
+  forward pass, before any update) or None (recomputed without the
+  sampler's: an abstract batch)."""
+  if "behaviour_logp" in batch:
+    return "batch"
+  return "first_update" if cfg.old_logp == "sampler" else None
 
 
 def _train_step(state: TrainState, batch: dict, *, graphdef, tx, cfg: StepConfig):
   n = batch["advantages"].shape[0]
   cfg.check_batch(n)
   minis = jax.tree.map(lambda x: _stack_rows(x, cfg.num_minibatches), batch)
-  update = functools.partial(_update, graphdef=graphdef, tx=tx, cfg=cfg)
+  source = _mismatch_source(batch, cfg)
+  track_first = source == "first_update"
+  update = functools.partial(_update, graphdef=graphdef, tx=tx, cfg=cfg,
+                             keep_logp=track_first)
 
-  def epoch(state, _):
-    return jax.lax.scan(update, state, minis)
+  def one_update(carry, xs):
+    state, first_logp = carry
+    mini, is_first = xs
+    state, metrics = update(state, mini)
+    if track_first:
+      first_logp = jnp.where(is_first, metrics.pop("rows_logp"), first_logp)
+    return (state, first_logp), metrics
 
-  state, stacked = jax.lax.scan(epoch, state, None, length=cfg.ppo_epochs)
+  def epoch(carry, epoch_index):
+    is_first = (epoch_index == 0) & (jnp.arange(cfg.num_minibatches) == 0)
+    return jax.lax.scan(one_update, carry, (minis, is_first))
+
+  first_logp = jnp.zeros_like(minis["old_logp"][0]) if track_first else None
+  (state, first_logp), stacked = jax.lax.scan(
+      epoch, (state, first_logp), jnp.arange(cfg.ppo_epochs))
   out = {}  # stacked metrics are [epochs, mini-batches]
   for name, values in stacked.items():
     if name == "nonfinite" or name.endswith("_sum"):
@@ -266,6 +340,15 @@ def _train_step(state: TrainState, batch: dict, *, graphdef, tx, cfg: StepConfig
   out["w_pos"] = jnp.mean(stacked["w_pos"][0])
   out["w_neg"] = jnp.mean(stacked["w_neg"][0])
   out["param_norm"] = optax.global_norm(trainable(state.params)[0])  # LoRA: the adapters' norm
+  options = dict(correction=cfg.correction, cap=cfg.correction_cap,
+                 floor=cfg.correction_floor, icepop_low=cfg.icepop_low,
+                 icepop_high=cfg.icepop_high)
+  if source == "batch":
+    out.update(mismatch.mismatch_metrics(batch["old_logp"], batch["behaviour_logp"],
+                                         batch["response_mask"], **options))
+  elif source == "first_update":  # old_logp are the sampler's here
+    out.update(mismatch.mismatch_metrics(first_logp, minis["old_logp"][0],
+                                         minis["response_mask"][0], **options))
   return state.replace(step=state.step + 1), out
 
 

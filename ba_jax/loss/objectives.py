@@ -1,0 +1,218 @@
+"""The policy objective's per-token terms and the sampler-trainer correction.
+
+Three log-probs of the same sampled tokens meet here (docs/aggregation.md):
+the sampler's (behaviour, ``b``), the trainer's at the start of the step
+(old, ``o``) and the current one (``logp``). A ``surrogate`` turns
+``logp - o`` and the advantages into a term ``l[n, t]``; a ``correction``
+turns ``o - b`` into a stop-gradient factor ``c[n, t]``; the aggregation
+rule's weights ``w[n, t]`` (``ba_jax.loss.aggregation``) make the loss
+``J = sum(w * c * l)``. A sequence-level term (gspo, gmpo, luspo) or
+factor (``*_sequence``) is the same number on every token of its sequence,
+so it meets the rule through the sequence's total weight ``sum_t w[n, t]``.
+All three are static choices (``schema.SURROGATES``, ``schema.CORRECTIONS``).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ba_jax.config import schema
+
+SURROGATES = schema.SURROGATES
+CORRECTIONS = schema.CORRECTIONS
+# Surrogates whose ratio is one number per sequence.
+SEQUENCE_SURROGATES = ("gspo", "gspo_token", "gmpo", "luspo")
+# GMPO's token log-ratios are clamped to this before anything else (verl's
+# geo_mean does the same), so that exp of their mean stays finite.
+GMPO_LOG_RATIO_BOUND = 20.0
+
+
+def clipped_surrogate(logp, old_logp, advantages, *, eps_low: float,
+                      eps_high: float, dual_clip: float | None = None):
+  """PPO surrogate per token, with clip-higher and an optional dual clip.
+
+  ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` with
+  ``r = exp(logp - old_logp)``; with ``dual_clip = c`` (> 1) tokens of
+  negative-advantage sequences are also capped: ``l = min(l, -A c)``.
+
+  Returns:
+    (loss_NxT, ratio_NxT, low_clipped_NxT, high_clipped_NxT, dual_clipped_NxT)
+    where the three masks mark tokens whose gradient a clip has zeroed.
+  """
+  if dual_clip is not None and dual_clip <= 1.0:
+    raise ValueError(f"dual_clip must be > 1 (or None); got {dual_clip!r}.")
+  ratio = jnp.exp(logp - old_logp)
+  adv = advantages[:, None]
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+  loss = jnp.maximum(unclipped, clipped)
+  low_clipped = jnp.logical_and(adv < 0, ratio < 1.0 - eps_low)
+  high_clipped = jnp.logical_and(adv > 0, ratio > 1.0 + eps_high)
+  dual_clipped = jnp.zeros_like(low_clipped)
+  if dual_clip is not None:
+    cap = -adv * dual_clip
+    dual_clipped = jnp.logical_and(adv < 0, loss > cap)
+    loss = jnp.where(adv < 0, jnp.minimum(loss, cap), loss)
+  return loss, ratio, low_clipped, high_clipped, dual_clipped
+
+
+def sequence_log_ratio(logp, old_logp, mask):
+  """``sum_t m (logp - old) / L`` per sequence, [N, 1] (0 for an empty row):
+  the log of GSPO's length-normalised sequence ratio."""
+  m = jnp.asarray(mask, jnp.float32)
+  return (jnp.sum((logp - old_logp) * m, -1, keepdims=True)
+          / jnp.maximum(jnp.sum(m, -1, keepdims=True), 1.0))
+
+
+def _gmpo(logp, old_logp, adv_Nx1, mask, eps_low, eps_high):
+  """GMPO: ``-A exp(mean_t d~)`` per sequence, ``d~`` the token log-ratio
+  clipped to [-eps_low, eps_high] on the side that limits the update for the
+  sign of A (the min of PPO's two branches, taken in log space)."""
+  d = jnp.clip(logp - old_logp, -GMPO_LOG_RATIO_BOUND, GMPO_LOG_RATIO_BOUND)
+  sign = jnp.sign(adv_Nx1)
+  d_min = sign * jnp.minimum(sign * d, sign * jnp.clip(d, -eps_low, eps_high))
+  m = jnp.asarray(mask, jnp.float32)
+  ratio = jnp.exp(jnp.sum(d_min * m, -1, keepdims=True)
+                  / jnp.maximum(jnp.sum(m, -1, keepdims=True), 1.0))
+  low = (adv_Nx1 < 0) & (d < -eps_low)
+  high = (adv_Nx1 > 0) & (d > eps_high)
+  return -adv_Nx1 * ratio, ratio, low, high
+
+
+def surrogate_terms(logp, old_logp, advantages, mask, *, surrogate: str,
+                    eps_low: float, eps_high: float,
+                    dual_clip: float | None = None, cispo_cap: float = 5.0,
+                    sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05):
+  """The policy term ``l[n, t]`` of ``surrogate`` (see ``SURROGATES``).
+
+  Args:
+    logp, old_logp: [N, T] current and old log-probs; advantages: [N];
+    mask: [N, T] (the sequence-level ratios average over its tokens).
+
+  Returns:
+    ``(loss_NxT, ratio_NxT, low_NxT, high_NxT, dual_NxT)`` as
+    ``clipped_surrogate``: ``ratio`` is the ratio the surrogate clips (a
+    sequence's on each of its tokens for the sequence-level ones); ``low`` /
+    ``high`` mark tokens a clip acted on (for cispo: whose IS weight was
+    capped, the gradient kept).
+  """
+  if surrogate not in SURROGATES:
+    raise ValueError(f"Unknown loss.surrogate {surrogate!r}; expected one of "
+                     f"{list(SURROGATES)}.")
+  if dual_clip is not None and surrogate != "ppo_clip":
+    raise ValueError(f"loss.dual_clip={dual_clip} applies to ppo_clip's token "
+                     f"ratios only; got loss.surrogate={surrogate!r}.")
+  adv = advantages[:, None]
+  shape = jnp.shape(logp)
+  none = jnp.zeros(shape, bool)
+  if surrogate == "ppo_clip":
+    return clipped_surrogate(logp, old_logp, advantages, eps_low=eps_low,
+                             eps_high=eps_high, dual_clip=dual_clip)
+  if surrogate in ("gspo", "luspo"):
+    # s_n = exp(mean_t (logp - old)): the gradient reaches every token of n.
+    log_s = jnp.broadcast_to(sequence_log_ratio(logp, old_logp, mask), shape)
+    loss, ratio, low, high, dual = clipped_surrogate(
+        log_s, jnp.zeros(shape), advantages, eps_low=eps_low,
+        eps_high=eps_high)
+    if surrogate == "luspo":  # each sequence's term times its length L[n]
+      loss = loss * jnp.sum(jnp.asarray(mask, jnp.float32), -1, keepdims=True)
+    return loss, ratio, low, high, dual
+  if surrogate == "gspo_token":
+    # s_nt = sg(s_n) pi_t / sg(pi_t): the value s_n, the gradient of token t's
+    # own log-prob only.
+    log_s = jax.lax.stop_gradient(sequence_log_ratio(logp, old_logp, mask))
+    log_s = log_s + logp - jax.lax.stop_gradient(logp)
+    return clipped_surrogate(log_s, jnp.zeros(shape), advantages,
+                             eps_low=eps_low, eps_high=eps_high)
+  if surrogate == "gmpo":
+    loss, ratio, low, high = _gmpo(logp, old_logp, adv, mask, eps_low,
+                                   eps_high)
+    return (jnp.broadcast_to(loss, shape), jnp.broadcast_to(ratio, shape),
+            low, high, none)
+  ratio = jnp.exp(logp - old_logp)
+  if surrogate == "cispo":
+    weight = jax.lax.stop_gradient(jnp.minimum(ratio, cispo_cap))
+    return -weight * adv * logp, ratio, none, ratio > cispo_cap, none
+  # sapo: a soft gate (4 / tau) sigmoid(tau (r - 1)) in place of the clip.
+  tau = jnp.where(adv > 0, sapo_tau_pos, sapo_tau_neg)
+  gate = jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+  return -gate * adv, ratio, none, none, none
+
+
+def correction_weights(old_logp, behaviour_logp, mask, *, correction: str,
+                       cap: float = 2.0, floor: float | None = None,
+                       icepop_low: float = 0.5, icepop_high: float = 5.0):
+  """The stop-gradient factor ``c`` for the sampler-trainer mismatch.
+
+  ``rho = exp(old - behaviour)`` per token (``*_token``, icepop) or its
+  product over the sequence's tokens (``*_sequence``, one number per row).
+  tis: ``clip(rho, floor, cap)``; mis: ``rho`` where ``floor <= rho <= cap``,
+  else 0; icepop: ``rho`` where ``icepop_low <= rho <= icepop_high``, else 0
+  (mis_token with those bounds). ``floor=None``: no lower bound.
+
+  Returns:
+    ``(c, corrected)``: float32 [N, T] (or [N, 1] at sequence level) and a
+    bool of the same shape marking where the bounds truncated or masked.
+  """
+  if correction not in CORRECTIONS:
+    raise ValueError(f"Unknown loss.correction {correction!r}; expected one "
+                     f"of {list(CORRECTIONS)}.")
+  m = jnp.asarray(mask, jnp.float32)
+  if correction == "none":
+    return jnp.ones_like(m), jnp.zeros(m.shape, bool)
+  log_rho = (old_logp - behaviour_logp) * m
+  if correction.endswith("_sequence"):
+    log_rho = jnp.sum(log_rho, -1, keepdims=True)
+  log_rho = jax.lax.stop_gradient(log_rho)
+  if correction == "icepop":
+    lo, hi = icepop_low, icepop_high
+  else:
+    lo, hi = floor, cap
+  # In log space: a long sequence's product of ratios stays finite.
+  below = (log_rho < jnp.log(lo)) if lo is not None else jnp.zeros_like(
+      log_rho, bool)
+  above = log_rho > jnp.log(hi)
+  outside = below | above
+  if correction.startswith("tis"):
+    clipped = jnp.minimum(log_rho, jnp.log(hi))
+    if lo is not None:
+      clipped = jnp.maximum(clipped, jnp.log(lo))
+    return jnp.exp(clipped), outside
+  return jnp.where(outside, 0.0, jnp.exp(jnp.where(outside, 0.0, log_rho))), outside
+
+
+def check_combination(*, surrogate: str, correction: str, aggregation: str,
+                      dual_clip: float | None = None, old_logp: str | None = None,
+                      correction_cap: float = 2.0,
+                      correction_floor: float | None = None,
+                      icepop_low: float = 0.5, icepop_high: float = 5.0) -> None:
+  """Raises a one-line ValueError for a combination without a meaning
+  (``old_logp``: ``rl.old_logp``; None skips the rule that needs it)."""
+  if surrogate not in SURROGATES:
+    raise ValueError(f"Unknown loss.surrogate {surrogate!r}; expected one of "
+                     f"{list(SURROGATES)}.")
+  if correction not in CORRECTIONS:
+    raise ValueError(f"Unknown loss.correction {correction!r}; expected one "
+                     f"of {list(CORRECTIONS)}.")
+  if surrogate == "luspo" and aggregation != "sequence":
+    raise ValueError(
+        f"loss.surrogate='luspo' with loss.aggregation={aggregation!r}: LUSPO's "
+        "length factor L[n] is defined against the sequence rule's 1/L[n] "
+        "(together: weight 1/N per token); for GSPO terms under another rule "
+        "use loss.surrogate='gspo'")
+  if dual_clip is not None and surrogate != "ppo_clip":
+    raise ValueError(
+        f"loss.dual_clip={dual_clip} with loss.surrogate={surrogate!r}: the "
+        "dual clip caps ppo_clip's token ratios only; set it to None")
+  if correction != "none" and old_logp == "sampler":
+    raise ValueError(
+        f"loss.correction={correction!r} with rl.old_logp='sampler': its weight "
+        "exp(old - sampler) is then 1 on every token; set rl.old_logp='recompute'")
+  if correction in ("tis_token", "tis_sequence", "mis_token", "mis_sequence") and (
+      correction_floor is not None and correction_floor >= correction_cap):
+    raise ValueError(
+        f"loss.correction_floor={correction_floor} must be below "
+        f"loss.correction_cap={correction_cap}")
+  if correction == "icepop" and icepop_low >= icepop_high:
+    raise ValueError(f"loss.icepop_low={icepop_low} must be below "
+                     f"loss.icepop_high={icepop_high}")

@@ -1,0 +1,315 @@
+"""Every surrogate x correction x aggregation cell of the policy loss against
+a plain-Python loop reference (loss and gradient), the identities between
+cells that docs/aggregation.md states, and the combinations refused at
+config time."""
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ba_jax.config import schema
+from ba_jax.loss import aggregation
+from ba_jax.loss import losses
+from ba_jax.loss import objectives
+from ba_jax.run import checks
+from ba_jax.run import setup as setup_lib
+from ba_jax.run.checks import ConfigError
+import trainer_utils as tu
+
+G = 4
+LENGTHS = [3, 7, 1, 0, 5, 2, 7, 4]  # ragged, one empty row
+ADV = [1.2, -0.4, -0.4, 0.0, 0.7, 0.7, -1.0, -1.0]
+T = 7
+MAX_LEN = 9  # dr_grpo's constant
+OPTIONS = dict(eps_low=0.2, eps_high=0.28, cispo_cap=1.3, sapo_tau_pos=1.0,
+               sapo_tau_neg=1.05, correction_cap=2.0, correction_floor=0.6,
+               icepop_low=0.5, icepop_high=2.5)
+
+
+def _data(seed=0):
+  rng = np.random.default_rng(seed)
+  mask = (np.arange(T)[None] < np.array(LENGTHS)[:, None]).astype(np.float32)
+  logp = (rng.normal(size=(8, T)) * 0.5 - 1.5).astype(np.float32)
+  old = (logp + rng.uniform(-0.45, 0.45, (8, T))).astype(np.float32)
+  behaviour = (old + rng.uniform(-1.2, 1.2, (8, T))).astype(np.float32)
+  return logp, old, behaviour, mask, np.array(ADV, np.float32)
+
+
+def _cells():
+  for s, c, a in itertools.product(objectives.SURROGATES,
+                                   objectives.CORRECTIONS,
+                                   schema.AGGREGATIONS):
+    if s != "luspo" or a == "sequence":
+      yield s, c, a
+
+
+# --- the loop reference (float64, one token at a time) ---------------------
+
+def _ref_weights(m, adv, rule):
+  n = len(m)
+  L = [sum(row) for row in m]
+  total = sum(L)
+  w = [[0.0] * T for _ in range(n)]
+  for i in range(n):
+    for t in range(T):
+      if not m[i][t]:
+        continue
+      if rule == "token":
+        w[i][t] = 1.0 / total
+      elif rule == "sequence":
+        w[i][t] = 1.0 / (L[i] * n)
+      elif rule == "dr_grpo":
+        w[i][t] = 1.0 / (n * MAX_LEN)
+      else:  # balanced: |S| / (T_S N) in the sequence's signed subset
+        if adv[i] == 0:
+          continue
+        g0 = i // G * G
+        subset = [j for j in range(g0, g0 + G)
+                  if math.copysign(1, adv[j]) == math.copysign(1, adv[i])
+                  and adv[j] != 0]
+        w[i][t] = len(subset) / (sum(L[j] for j in subset) * n)
+  return w
+
+
+def _ref_correction(o, b, m, kind):
+  """Per-token factor c[i][t] and its 'corrected' flag."""
+  n = len(m)
+  c = [[1.0] * T for _ in range(n)]
+  if kind == "none":
+    return c
+  lo, hi = ((OPTIONS["icepop_low"], OPTIONS["icepop_high"]) if kind == "icepop"
+            else (OPTIONS["correction_floor"], OPTIONS["correction_cap"]))
+  for i in range(n):
+    tokens = [t for t in range(T) if m[i][t]]
+    if kind.endswith("_sequence"):
+      rhos = [math.exp(sum(o[i][t] - b[i][t] for t in tokens))] * T
+    else:
+      rhos = [math.exp(o[i][t] - b[i][t]) for t in range(T)]
+    for t in tokens:
+      rho = rhos[t]
+      if kind.startswith("tis"):
+        c[i][t] = min(max(rho, lo), hi)
+      else:  # mis, icepop: kept inside [lo, hi], else 0
+        c[i][t] = rho if lo <= rho <= hi else 0.0
+  return c
+
+
+def _ppo(a, r):
+  """(term, d term / d log r) of PPO-clip at ratio r."""
+  el, eh = OPTIONS["eps_low"], OPTIONS["eps_high"]
+  if (a > 0 and r > 1 + eh) or (a < 0 and r < 1 - el):
+    return -a * min(max(r, 1 - el), 1 + eh), 0.0
+  return -a * r, -a * r
+
+
+def _reference(logp, old, behaviour, mask, adv, surrogate, correction, rule):
+  lp, o, b, m = (x.astype(np.float64).tolist() for x in (logp, old, behaviour, mask))
+  w = _ref_weights(m, adv, rule)
+  c = _ref_correction(o, b, m, correction)
+  loss, grad = 0.0, np.zeros((len(m), T))
+  for i in range(len(m)):
+    a = float(adv[i])
+    tokens = [t for t in range(T) if m[i][t]]
+    L = len(tokens)
+    wc = {t: w[i][t] * c[i][t] for t in tokens}
+    if surrogate in ("gspo", "gspo_token", "luspo", "gmpo"):
+      if surrogate == "gmpo":
+        el, eh = OPTIONS["eps_low"], OPTIONS["eps_high"]
+        d = {t: lp[i][t] - o[i][t] for t in tokens}
+        kept = {t: not ((a > 0 and d[t] > eh) or (a < 0 and d[t] < -el))
+                for t in tokens}
+        clipped = {t: (0.0 if a == 0 else min(d[t], eh) if a > 0 else max(d[t], -el))
+                   for t in tokens}
+        s = math.exp(sum(clipped.values()) / max(L, 1))
+        term, dterm = -a * s, -a * s
+      else:
+        s = math.exp(sum(lp[i][t] - o[i][t] for t in tokens) / max(L, 1))
+        term, dterm = _ppo(a, s)
+        kept = {t: True for t in tokens}
+      scale = L if surrogate == "luspo" else 1
+      loss += scale * term * sum(wc.values())
+      for u in tokens:
+        if surrogate == "gspo_token":  # the gradient of token u's own log-prob
+          grad[i, u] = wc[u] * dterm
+        else:
+          grad[i, u] = scale * sum(wc.values()) * dterm * kept[u] / max(L, 1)
+      continue
+    for t in tokens:
+      r = math.exp(lp[i][t] - o[i][t])
+      if surrogate == "ppo_clip":
+        term, dterm = _ppo(a, r)
+      elif surrogate == "cispo":
+        weight = min(r, OPTIONS["cispo_cap"])
+        term, dterm = -weight * a * lp[i][t], -weight * a
+      else:  # sapo
+        tau = OPTIONS["sapo_tau_pos"] if a > 0 else OPTIONS["sapo_tau_neg"]
+        sig = 1.0 / (1.0 + math.exp(-tau * (r - 1.0)))
+        term, dterm = -a * 4.0 / tau * sig, -a * 4.0 * sig * (1.0 - sig) * r
+      loss += wc[t] * term
+      grad[i, t] = wc[t] * dterm
+  return loss, grad
+
+
+def _ours(logp, old, behaviour, mask, adv, surrogate, correction, rule,
+          **overrides):
+  options = dict(OPTIONS, **overrides)
+  def loss_of(lp):
+    return losses.policy_loss(
+        lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), group_size=G,
+        aggregation=rule, max_response_len=MAX_LEN, surrogate=surrogate,
+        correction=correction, behaviour_logp=jnp.asarray(behaviour),
+        **options)[0]
+  loss, grad = jax.value_and_grad(loss_of)(jnp.asarray(logp))
+  return float(loss), np.asarray(grad)
+
+
+@pytest.fixture(scope="module")
+def data():
+  return _data()
+
+
+def test_the_data_reach_every_branch(data):
+  """Clips of both signs, tokens and sequences outside the correction's
+  bounds on both sides, so no cell passes by being trivial."""
+  logp, old, behaviour, mask, adv = data
+  on = mask > 0
+  r = np.exp(logp - old)[on]
+  assert (r > 1 + OPTIONS["eps_high"]).sum() >= 3 and (r < 1 - OPTIONS["eps_low"]).sum() >= 3
+  rho = np.exp(old - behaviour)[on]
+  assert (rho > OPTIONS["correction_cap"]).sum() >= 3
+  assert (rho < OPTIONS["correction_floor"]).sum() >= 3
+  assert (rho > OPTIONS["icepop_high"]).sum() >= 1
+  rho_seq = np.exp(((old - behaviour) * mask).sum(-1))[np.array(LENGTHS) > 0]
+  assert (rho_seq > OPTIONS["correction_cap"]).any() and (rho_seq < OPTIONS["correction_floor"]).any()
+  assert ((rho_seq >= OPTIONS["correction_floor"]) & (rho_seq <= OPTIONS["correction_cap"])).any()
+  assert (r > OPTIONS["cispo_cap"]).sum() >= 3
+
+
+@pytest.mark.parametrize("surrogate,correction,rule", list(_cells()))
+def test_every_cell_equals_the_loop_reference(data, surrogate, correction, rule):
+  ref_loss, ref_grad = _reference(*data, surrogate, correction, rule)
+  loss, grad = _ours(*data, surrogate, correction, rule)
+  # float32 against float64: terms are O(1), weights sum to <= 1 (luspo:
+  # times L <= 7), so rounding stays below 1e-6 of the largest entry.
+  scale = max(1.0, abs(ref_loss))
+  assert abs(loss - ref_loss) <= 2e-6 * scale, (loss, ref_loss)
+  np.testing.assert_allclose(grad, ref_grad, rtol=0,
+                             atol=2e-6 * max(np.abs(ref_grad).max(), 1e-3))
+  assert np.abs(ref_grad).max() > 0
+
+
+def test_default_objective_is_the_ppo_clip_loss_bit_for_bit(data):
+  """surrogate=ppo_clip, correction=none computes exactly sum(w * clip term),
+  the loss the trainer had before the axes existed."""
+  logp, old, behaviour, mask, adv = data
+  for rule in schema.AGGREGATIONS:
+    w = aggregation.token_weights(mask, adv, mode=rule, group_size=G,
+                                 max_response_len=MAX_LEN)
+    term = objectives.clipped_surrogate(logp, old, adv, eps_low=0.2, eps_high=0.28)[0]
+    loss, _ = losses.policy_loss(logp, old, adv, mask, group_size=G, aggregation=rule,
+                                 eps_low=0.2, eps_high=0.28, max_response_len=MAX_LEN)
+    assert np.array_equal(np.asarray(loss), np.asarray(jnp.sum(w * term)))
+
+
+@pytest.mark.parametrize("rule", schema.AGGREGATIONS)
+def test_gspo_token_equals_gspo_unless_the_factor_varies_inside_a_sequence(data, rule):
+  """Every rule's weight is constant inside a sequence (w = m c[n]), so with
+  a per-sequence factor the token form has GSPO's value and gradient; a
+  per-token correction makes the factor vary and separates them."""
+  for correction in ("none", "tis_sequence", "mis_sequence"):
+    a = _ours(*data, "gspo", correction, rule)
+    b = _ours(*data, "gspo_token", correction, rule)
+    assert abs(a[0] - b[0]) <= 1e-6
+    np.testing.assert_allclose(a[1], b[1], rtol=0, atol=1e-6)
+  a = _ours(*data, "gspo", "tis_token", rule)
+  b = _ours(*data, "gspo_token", "tis_token", rule)
+  assert abs(a[0] - b[0]) <= 1e-6
+  assert np.abs(a[1] - b[1]).max() > 1e-3
+
+
+def test_luspo_is_gspo_under_dr_grpo_times_the_constant(data):
+  """LUSPO under sequence weights is sum over a sequence's tokens / N, i.e.
+  GSPO under dr_grpo with max_response_len = 1."""
+  luspo = _ours(*data, "luspo", "tis_token", "sequence")
+  logp, old, behaviour, mask, adv = data
+  def loss_of(lp):
+    return losses.policy_loss(
+        lp, old, adv, mask, group_size=G, aggregation="dr_grpo", max_response_len=1,
+        surrogate="gspo", correction="tis_token", behaviour_logp=behaviour, **OPTIONS)[0]
+  gspo = jax.value_and_grad(loss_of)(jnp.asarray(logp))
+  assert abs(luspo[0] - float(gspo[0])) <= 1e-6 * abs(luspo[0])
+  np.testing.assert_allclose(luspo[1], gspo[1], rtol=1e-5, atol=1e-7)
+
+
+def test_icepop_is_mis_token_with_its_bounds(data):
+  icepop = _ours(*data, "ppo_clip", "icepop", "balanced")
+  mis = _ours(*data, "ppo_clip", "mis_token", "balanced",
+              correction_floor=OPTIONS["icepop_low"], correction_cap=OPTIONS["icepop_high"])
+  assert icepop[0] == mis[0]
+  np.testing.assert_array_equal(icepop[1], mis[1])
+
+
+def test_cispo_cap_is_minimax_one_plus_eps_high(data):
+  """MiniMax-M1 writes CISPO's weight clip(r, 1 - eps_low, 1 + eps_high) with
+  no lower bound in practice; ScaleRL (and TRL) min(r, eps_max): the same
+  with cispo_cap = 1 + eps_high (the loop reference uses the clip form)."""
+  logp, old, behaviour, mask, adv = data
+  eps_high = 0.3
+  r = np.exp(logp.astype(np.float64) - old)
+  minimax = np.clip(r, 0.0, 1.0 + eps_high)
+  w = np.asarray(aggregation.token_weights(mask, adv, mode="token", group_size=G))
+  expected = np.sum(w * -minimax * adv[:, None] * logp)
+  loss = _ours(*data, "cispo", "none", "token", cispo_cap=1.0 + eps_high)[0]
+  assert abs(loss - expected) <= 1e-6 * abs(expected)
+
+
+def test_corrections_are_exactly_the_identity_when_old_equals_behaviour(data):
+  """Where the sampler's and the trainer's log-probs are the same numbers,
+  every weight is exp(0) = 1 and no token is corrected: the loss is the
+  uncorrected one bit for bit."""
+  logp, old, _, mask, adv = data
+  base = _ours(logp, old, old, mask, adv, "ppo_clip", "none", "balanced")
+  for correction in objectives.CORRECTIONS:
+    ours = _ours(logp, old, old, mask, adv, "ppo_clip", correction, "balanced")
+    assert ours[0] == base[0], correction
+    np.testing.assert_array_equal(ours[1], base[1])
+
+
+# --- refusals at config time -------------------------------------------------
+
+REFUSED = [
+    ({"loss.surrogate": "luspo", "loss.aggregation": "balanced"},
+     "loss.surrogate='luspo' with loss.aggregation='balanced'"),
+    ({"loss.surrogate": "gspo", "loss.dual_clip": 3.0},
+     "loss.dual_clip=3.0 with loss.surrogate='gspo'"),
+    ({"loss.correction": "tis_token"},
+     "loss.correction='tis_token' with rl.old_logp='sampler'"),
+    ({"loss.correction": "mis_sequence", "rl.old_logp": "recompute",
+      "loss.correction_floor": 2.0}, "loss.correction_floor=2.0 must be below"),
+    ({"loss.correction": "icepop", "rl.old_logp": "recompute", "loss.icepop_low": 6.0},
+     "loss.icepop_low=6.0 must be below"),
+    ({"loss.surrogate": "ppo_kl"}, "loss.surrogate='ppo_kl': expected one of"),
+    ({"loss.correction": "tis"}, "loss.correction='tis': expected one of"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", REFUSED)
+def test_meaningless_combinations_are_refused_with_one_line(overrides, message):
+  config = tu.smoke_config(**overrides)
+  with pytest.raises(ConfigError) as err:
+    setup_lib.make_setup(config, abstract=True)
+  assert message in str(err.value)
+  assert "\n" not in str(err.value)
+
+
+def test_every_other_combination_is_accepted():
+  """Each surrogate with each correction (rl.old_logp=recompute) and rule,
+  luspo under sequence only, passes the config checks."""
+  for surrogate, correction, rule in _cells():
+    config = tu.smoke_config(**{"loss.surrogate": surrogate, "loss.correction": correction,
+                                "loss.aggregation": rule, "rl.old_logp": "recompute"})
+    cfg = checks.step_config(schema.parse(config))
+    assert (cfg.surrogate, cfg.correction, cfg.aggregation) == (surrogate, correction, rule)
