@@ -427,3 +427,14 @@ def test_lora_variant_keeps_optimizer_state_for_the_adapters_only():
   text = report_lib.format_report(r)
   assert (f"LoRA: rank 8 adapters, {report_lib._count(m['trainable'])} trainable parameters"
           in text)
+
+
+@pytest.mark.slow
+def test_a_sampler_correction_compiles_with_the_behaviour_log_probs():
+  """rl.old_logp=recompute keeps the sampler's log-probs beside the recomputed
+  old ones: the dry run's batch holds them too, as the trainer's does."""
+  config = load("configs/tiny.py:smoke")
+  config.rl.old_logp = "recompute"
+  config.loss.correction = "tis_token"
+  report = compile_lib.dry_run(config, sample=False)
+  assert report["train_step"]["memory"]["argument"] > 0

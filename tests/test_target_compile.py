@@ -136,3 +136,28 @@ def test_a_cpu_only_host_does_not_start_libtpu():
   assert out.returncode == 0, out.stderr
   assert out.stdout.split() == ["cpu", "cpu"]
   assert "TPU_ACCELERATOR_TYPE" not in out.stderr and "libtpu" not in out.stderr
+
+
+def test_accelerator_check_sets_the_roofline_beside_its_timings():
+  from ba_jax.generation import sampler
+  from ba_jax.run import setup as setup_lib
+  from ba_jax.scaling import accelerator
+  from ba_jax.scaling import flops as flops_lib
+  setup = setup_lib.make_setup(accelerator.run_config("tiny"), abstract=True)
+  mc, rl = setup.model_config, setup.cfg.rl
+  counts = flops_lib.param_counts(setup.abstract_params, mc)
+  P = setup.cfg.task.max_prompt_len
+  analytic = flops_lib.analytic_flops(
+      mc, counts["matmul"], rows=rl.prompts_per_step * rl.group_size, prompts=rl.prompts_per_step,
+      prompt_len=P, response_len=rl.max_new_tokens, ppo_epochs=rl.ppo_epochs,
+      micro_batches=rl.num_microbatches, prompt_bucket=sampler.bucket_length(P))
+  assert accelerator.predicted_steps(setup, analytic, counts, "cpu") is None
+  predicted = accelerator.predicted_steps(setup, analytic, counts, "TPU v5e")
+  train, decode = predicted["train_step"], predicted["decode_step"]
+  chip = targets_lib.CHIPS["v5e"]
+  assert train["seconds"] == max(train["flops"] / chip.peak_bf16_flops,
+                                 train["bytes"] / chip.hbm_bytes_per_s) > 0
+  assert decode["bound"] == "memory" and decode["seconds"] > 0
+  line = report_lib.predicted_line(dict(roofline=predicted, train_step=dict(
+      step_s=10 * train["seconds"]), decode=dict(decode_step_s=4 * decode["seconds"])))
+  assert "measured" in line and "10% of the bound's speed" in line and "25% of" in line

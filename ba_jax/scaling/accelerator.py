@@ -326,6 +326,44 @@ def memory_check(config, measured: dict, device) -> dict:
   return out
 
 
+# ``chip()``'s names -> ``ba_jax.scaling.targets.CHIPS`` (bandwidth and HBM known).
+TARGET_CHIPS = {"TPU v4": "v4", "TPU v5e": "v5e", "TPU v5p": "v5p", "TPU v6e": "v6e", "H100": "h100"}
+
+
+def predicted_steps(setup, analytic: dict, counts: dict, chip_name: str) -> dict | None:
+  """The roofline bound (``ba_jax.scaling.roofline``) of the steps this check
+  times, on its chip; None for a chip without published bandwidth here."""
+  from ba_jax.generation import engine as engine_lib
+  from ba_jax.generation import sampler
+  from ba_jax.policy import kv_cache as kv_cache_lib
+  from ba_jax.scaling import roofline
+  from ba_jax.scaling import targets
+  from ba_jax.update import train_step as ts
+  import jax
+  key = TARGET_CHIPS.get(chip_name)
+  if key is None:
+    return None
+  mc, rl, P = setup.model_config, setup.cfg.rl, setup.cfg.task.max_prompt_len
+  rows = rl.prompts_per_step * rl.group_size
+  shaped = dict(
+      devices=setup.mesh.size, mesh={k: int(v) for k, v in setup.mesh.shape.items()},
+      shapes=dict(rows=rows, prompt_len=P, response_len=rl.max_new_tokens,
+                  ppo_epochs=rl.ppo_epochs, num_minibatches=rl.num_minibatches,
+                  num_microbatches=rl.num_microbatches),
+      model=dict(params=counts["total"], matmul_params=counts["matmul"], dtype=mc.dtype,
+                 param_dtype=mc.param_dtype, remat=mc.remat,
+                 trainable=sum(x.size for x in jax.tree.leaves(
+                     ts.trainable(setup.abstract_params)[0]))),
+      analytic_flops=analytic)
+  chip = targets.CHIPS[key]
+  # The timed decode is the static sampler: every row, a cache of bucket + T - 1 positions.
+  length = engine_lib.cache_length(sampler.bucket_length(P), rl.max_new_tokens) - 1
+  cache = kv_cache_lib.bytes_per_device(mc, rows, length, mesh=setup.mesh, rules=setup.rules)
+  return dict(chip=key, train_step=roofline.estimate(shaped, chip)["train_step"],
+              decode_step=roofline.decode_step(shaped, chip, rows=rows,
+                                               cache_bytes_per_device=cache))
+
+
 def check(*, parts=PARTS, model: str = "auto", iters: int = 3,
           test_timeout: int = 300, log=print) -> dict:
   """Runs the check's ``parts`` and returns its report (see the module
@@ -385,6 +423,10 @@ def check(*, parts=PARTS, model: str = "auto", iters: int = 3,
       measured["train"] = report["train_step"]["peak_bytes"]
       log(report_lib.train_line(report["train_step"], report["model"], peak))
     del params
+  predicted = predicted_steps(setup, analytic, counts, name)
+  if predicted is not None:
+    report["roofline"] = predicted
+    log(report_lib.predicted_line(report))
   if "memory" in parts:
     report["memory"] = memory_check(config, measured, jax.devices()[0])
     log(report_lib.memory_line(report["memory"]))

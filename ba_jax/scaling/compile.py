@@ -104,7 +104,7 @@ def _compile(lowered, platform: str) -> dict:
 
 
 def _abstract_batch(rows: int, prompt_len: int, response_len: int, mesh,
-                    rules, with_ref: bool) -> dict:
+                    rules, with_ref: bool, with_behaviour: bool = False) -> dict:
   shapes = dict(prompt_ids=((rows, prompt_len), jnp.int32),
                 prompt_mask=((rows, prompt_len), jnp.int32),
                 response_ids=((rows, response_len), jnp.int32),
@@ -113,6 +113,8 @@ def _abstract_batch(rows: int, prompt_len: int, response_len: int, mesh,
                 old_logp=((rows, response_len), jnp.float32))
   if with_ref:
     shapes["ref_logp"] = ((rows, response_len), jnp.float32)
+  if with_behaviour:  # the sampler's log-probs, kept when the trainer recomputes old ones
+    shapes["behaviour_logp"] = ((rows, response_len), jnp.float32)
   return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=(
       sharding_lib.data_sharding(mesh, rules, len(shape))))
           for name, (shape, dtype) in shapes.items()}
@@ -204,7 +206,8 @@ def _dry_run(config, *, devices=None, sample: bool = True, one_update: bool = Fa
   N, P = B * G, setup.cfg.task.max_prompt_len
   state_in = setup_lib.abstract_state(setup)
   with_ref = setup.cfg.loss.kl_coef > 0
-  batch_in = _abstract_batch(N, P, T, mesh, rules, with_ref)
+  with_behaviour = rl.old_logp == "recompute"
+  batch_in = _abstract_batch(N, P, T, mesh, rules, with_ref, with_behaviour)
 
   counts = flops_lib.param_counts(setup.abstract_params, model_config)
   report = {
@@ -241,7 +244,7 @@ def _dry_run(config, *, devices=None, sample: bool = True, one_update: bool = Fa
   if train:
     report["train_step"] = _dry_run_train(
         setup, state_in, batch_in, one_update=one_update,
-        shapes=(P, T, mesh, rules, with_ref), compile_fn=compile_fn)
+        shapes=(P, T, mesh, rules, with_ref, with_behaviour), compile_fn=compile_fn)
   if sample and uses_engine(setup):
     # The trainer keeps the optimizer state (and a KL reference's
     # parameters) on the devices while it samples.

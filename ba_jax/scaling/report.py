@@ -250,6 +250,20 @@ def decode_line(d: dict, peak) -> str:
           f"(prefill {d['prefill_s'] * 1e3:.1f} ms)")
 
 
+def predicted_line(report: dict) -> str:
+  """The roofline bound of the timed steps beside what was measured."""
+  r, parts = report["roofline"], []
+  for name, key in (("train step", "train_step"), ("decode step", "decode")):
+    bound = r["train_step" if key == "train_step" else "decode_step"]
+    measured = report.get(key)
+    seconds = measured and (measured["step_s"] if key == "train_step" else measured["decode_step_s"])
+    part = f"{name} {bound['seconds'] * 1e3:.3g} ms ({bound['bound']}-bound)"
+    if seconds:
+      part += f", measured {seconds * 1e3:.3g} ms = {100 * bound['seconds'] / seconds:.0f}% of the bound's speed"
+    parts.append(part)
+  return f"roofline bound on {r['chip']} (ba_jax.scaling.roofline, an estimate): " + "; ".join(parts)
+
+
 def memory_line(m: dict) -> str:
   parts = [f"{p} {_gib(v['peak_bytes'])}" for p, v in m["compiled"].items()]
   line = "memory: dry run peak per device " + ", ".join(parts)

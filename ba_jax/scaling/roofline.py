@@ -52,16 +52,23 @@ def estimate(report: dict, chip: targets_lib.Chip) -> dict:
   out["train_step"] = train
   engine = report.get("engine")
   if engine is not None:
-    slots = engine["slots"]
-    per_token = flops["decode_step"] / s["rows"]  # one row's decode FLOPs at full cache
-    decode = _time(per_token * slots / n,
-                   engine["cache_bytes_per_device"] + compute_bytes / tensor, chip)
-    decode.update(slots_per_device=engine["slots_per_device"],
-                  tokens_per_s=slots / n / decode["seconds"],
-                  mfu=2 * m["matmul_params"] * slots / n
-                  / (decode["seconds"] * chip.peak_bf16_flops))
-    out["decode_step"] = decode
+    out["decode_step"] = decode_step(report, chip, rows=engine["slots"],
+                                     cache_bytes_per_device=engine["cache_bytes_per_device"])
   return out
+
+
+def decode_step(report: dict, chip: targets_lib.Chip, *, rows: int,
+                cache_bytes_per_device: int) -> dict:
+  """One token for each of ``rows`` rows (engine slots, or every row of the
+  static sampler) attending over a cache of ``cache_bytes_per_device``."""
+  n, s, m = report["devices"], report["shapes"], report["model"]
+  tensor = report["mesh"].get("tensor", 1)
+  per_row = report["analytic_flops"]["decode_step"] / s["rows"]  # at the full cache length
+  decode = _time(per_row * rows / n, cache_bytes_per_device
+                 + m["matmul_params"] * _itemsize(m["dtype"]) / tensor, chip)
+  decode.update(rows_per_device=rows / n, tokens_per_s=rows / n / decode["seconds"],
+                mfu=2 * m["matmul_params"] * rows / n / (decode["seconds"] * chip.peak_bf16_flops))
+  return decode
 
 
 def _itemsize(dtype: str) -> int:
