@@ -1,4 +1,4 @@
-"""Statistics of a paired, seed-matched ablation (experiments/powered_ablation.py).
+"""Statistics of a paired, seed-matched ablation (``python -m ba_jax.ablate``).
 
 Every comparison is paired: run ``i`` of rule A and run ``i`` of rule B share
 a seed (the warm-up, the problem stream and the sampler's key), so the unit
@@ -13,7 +13,8 @@ of analysis is the per-seed difference ``d_i = A_i - B_i``.
 * ``noninferiority``: ``mean_above`` at ``-margin`` (A is at most
   ``margin`` worse than B).
 * ``holm``: Holm's step-down adjustment over a named family of p-values
-  (statsmodels is not a dependency; the procedure is ten lines).
+  (R's ``p.adjust(p, "holm")``; neither scipy nor numpy has it, and
+  statsmodels, which does, is not a dependency for ten lines).
 * ``min_detectable_difference``: the smallest true mean difference a paired
   t-test detects with the given power, from the non-central t distribution
   (exact for normal differences; ``method="normal"`` gives the z
@@ -21,8 +22,8 @@ of analysis is the per-seed difference ``d_i = A_i - B_i``.
 * ``sampling_noise_share``: how much of the seed-to-seed variance of an
   accuracy is the binomial noise of its finite evaluation.
 
-This lives beside the experiment scripts, not in ``ba_jax``: it analyses
-runs' outputs and nothing in the library calls it.
+scipy gives every distribution and test (``ttest_1samp``, ``binomtest``,
+``t``, ``nct``, ``brentq``); this module only names the comparisons.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
-"""The ablation's statistics (experiments/ablation_stats.py) against textbook
-values and against independent computations."""
+"""The ablation's statistics (ba_jax.ablation.stats) against R's and
+scipy's values and against independent computations."""
 import math
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 from scipy import stats
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import ablation_stats as st  # noqa: E402
+from ba_jax.ablation import stats as st
 
 # Student's (1908) sleep data, R's ``sleep``: extra hours of sleep under two
 # drugs, the same ten patients. R's ``t.test(extra ~ group, paired = TRUE)``
@@ -44,8 +40,37 @@ def test_sign_test_is_the_binomial_tail():
   assert math.isnan(st.sign_test([0.0, 0.0])["p"])
 
 
+# R's p.adjust(c(0.01, 0.04, 0.03, 0.005), "holm") gives 0.03 0.06 0.06 0.02
+# and p.adjust(c(0.0002, 0.012, 0.0135, 0.04, 0.2, 0.7), "holm") gives
+# 0.0012 0.0600 0.0600 0.1200 0.4000 0.7000. R was not run here: these are
+# the values of p.adjust's own code for "holm",
+# pmin(1, cummax((n - seq_len(n) + 1) * p[o]))[ro], written as literals; the
+# test also recomputes them by that formula (holm_by_formula).
+R_HOLM = (([0.01, 0.04, 0.03, 0.005], [0.03, 0.06, 0.06, 0.02]),
+          ([0.0002, 0.012, 0.0135, 0.04, 0.2, 0.7],
+           [0.0012, 0.06, 0.06, 0.12, 0.4, 0.7]))
+
+
+def holm_by_formula(ps):
+  """The documented formula: the k-th smallest (k = 1..m) becomes
+  max_{j <= k} min(1, (m - j + 1) p_(j)), in the input's order."""
+  m, order = len(ps), np.argsort(ps, kind="stable")
+  out, running = np.empty(m), 0.0
+  for k, i in enumerate(order):
+    running = max(running, min(1.0, (m - k) * ps[i]))
+    out[i] = running
+  return out
+
+
+def test_holm_matches_r_p_adjust_and_the_documented_formula():
+  for ps, r_values in R_HOLM:
+    out = st.holm(dict(enumerate(ps)))
+    got = [out[i]["p_holm"] for i in range(len(ps))]
+    assert got == pytest.approx(r_values, abs=1e-12)
+    assert got == pytest.approx(list(holm_by_formula(ps)), abs=1e-15)
+
+
 def test_holm_matches_the_textbook_and_the_step_down_rule():
-  # R: p.adjust(c(0.01, 0.04, 0.03, 0.005), "holm") = 0.03 0.06 0.06 0.02
   family = {"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005}
   out = st.holm(family)
   assert [out[k]["p_holm"] for k in "abcd"] == pytest.approx([0.03, 0.06, 0.06, 0.02])
@@ -116,6 +141,30 @@ def test_min_detectable_difference_has_the_stated_power():
   # a Holm family's first step (alpha/3) needs a larger difference
   assert st.min_detectable_difference(n, sd, alpha=0.05 / 3) > mdd
   assert st.seeds_for(mdd, sd) == n
+
+
+def test_power_is_scipys_noncentral_t_tail():
+  n, sd, delta = 12, 0.05, 0.04
+  df, nc = n - 1, delta * math.sqrt(n) / sd
+  crit = stats.t.ppf(0.975, df)
+  want = stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc)
+  assert st.t_test_power(delta, n, sd) == pytest.approx(want, rel=1e-12)
+  one = stats.nct.sf(stats.t.ppf(0.95, df), df, nc)
+  assert st.t_test_power(delta, n, sd, two_sided=False) == pytest.approx(one, rel=1e-12)
+  # the detectable difference is where that power reaches 0.8
+  mdd = st.min_detectable_difference(n, sd, two_sided=False)
+  assert st.t_test_power(mdd, n, sd, two_sided=False) == pytest.approx(0.8, abs=1e-8)
+
+
+def test_paired_t_and_mean_above_are_scipys_tests():
+  rng = np.random.default_rng(5)
+  a, b = rng.normal(0.4, 0.05, 9), rng.normal(0.38, 0.05, 9)
+  assert st.paired_t(a - b)["p"] == pytest.approx(stats.ttest_rel(a, b).pvalue, rel=1e-12)
+  res = stats.ttest_1samp(a - b, -0.02, alternative="greater")
+  assert st.mean_above(a - b, -0.02)["p"] == pytest.approx(res.pvalue, rel=1e-12)
+  ci = stats.ttest_rel(a, b).confidence_interval(0.95)
+  out = st.paired_t(a - b)
+  assert (out["low"], out["high"]) == pytest.approx((ci.low, ci.high), rel=1e-12)
 
 
 def test_sampling_noise_share_is_one_when_runs_differ_only_by_evaluation():
