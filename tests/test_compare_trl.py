@@ -1,9 +1,8 @@
-"""experiments/compare_trl.py's quick path end to end (2 RL steps, one seed,
+"""experiments/studies/compare_trl/compare_trl.py's quick path end to end (2 RL steps, one seed,
 one loss type, both trainers), so the comparison script cannot rot."""
 import json
 import math
 import pathlib
-import sys
 
 import pytest
 from flax import nnx
@@ -17,8 +16,7 @@ import trainer_utils
 
 pytest.importorskip("trl")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import compare_trl  # noqa: E402
+from experiments.studies.compare_trl import compare_trl  # noqa: E402
 
 
 @pytest.mark.slow
@@ -90,7 +88,7 @@ def _rows(accuracies):
 def test_accuracy_row_tests_non_inferiority_from_the_paired_differences():
   import numpy as np  # pylint: disable=import-outside-toplevel
   from scipy import stats  # pylint: disable=import-outside-toplevel
-  import compare_trl_report as report  # pylint: disable=import-outside-toplevel
+  from experiments.studies.compare_trl import compare_trl_report as report  # pylint: disable=import-outside-toplevel
   theirs = [0.50, 0.55, 0.48, 0.52, 0.60, 0.45]
   diffs = np.array([0.01, -0.02, 0.0, 0.03, -0.01, 0.007])
   ours = list(np.array(theirs) + diffs)
@@ -113,8 +111,8 @@ def test_accuracy_row_tests_non_inferiority_from_the_paired_differences():
 
 
 def test_noninferiority_plan_states_the_power_at_the_planning_sd():
-  import ablation_stats  # pylint: disable=import-outside-toplevel
-  import compare_trl_report as report  # pylint: disable=import-outside-toplevel
+  from ba_jax.ablation import stats as ablation_stats  # pylint: disable=import-outside-toplevel
+  from experiments.studies.compare_trl import compare_trl_report as report  # pylint: disable=import-outside-toplevel
   line = report.noninferiority_plan(0.03, 16, 0.04)
   equal = ablation_stats.t_test_power(0.03, 16, 0.04, two_sided=False)
   worse = ablation_stats.t_test_power(0.02, 16, 0.04, two_sided=False)
@@ -127,7 +125,7 @@ def test_noninferiority_plan_states_the_power_at_the_planning_sd():
 def test_speed_test_bounds_the_geometric_mean_of_the_pairs_ratios():
   import numpy as np  # pylint: disable=import-outside-toplevel
   from scipy import stats  # pylint: disable=import-outside-toplevel
-  import compare_trl_report as report  # pylint: disable=import-outside-toplevel
+  from experiments.studies.compare_trl import compare_trl_report as report  # pylint: disable=import-outside-toplevel
   # One pair below 2x (the every-pair rule fails), the mean well above it.
   ratios = [2.05, 2.09, 2.27, 2.09, 1.999, 2.18, 2.08, 2.20, 2.19]
   logs = np.log(ratios)
@@ -144,8 +142,8 @@ def test_speed_test_bounds_the_geometric_mean_of_the_pairs_ratios():
 
 
 def test_speed_plan_states_the_power_at_the_planning_sd():
-  import ablation_stats  # pylint: disable=import-outside-toplevel
-  import compare_trl_report as report  # pylint: disable=import-outside-toplevel
+  from ba_jax.ablation import stats as ablation_stats  # pylint: disable=import-outside-toplevel
+  from experiments.studies.compare_trl import compare_trl_report as report  # pylint: disable=import-outside-toplevel
   line = report.speed_plan(2.0, 15, 0.041)
   powers = [ablation_stats.t_test_power(math.log(k), 15, 0.041, two_sided=False)
             for k in (1.025, 1.05, 1.1)]

@@ -28,9 +28,9 @@ import pathlib
 import time
 
 from ba_jax.ablation import legacy, planning, plots, protocol, texts
-from ba_jax.ablation.runner import Job, execute
+from ba_jax.ablation.runner import Job, execute, run_settings
 from ba_jax.ablation.spec import Spec, sha256
-from ba_jax.ablation.store import Store, read_rows
+from ba_jax.ablation.store import Store, config_hash, read_rows
 
 STAGES = ("plan", "tune", "predict", "confirm", "report")
 
@@ -73,15 +73,22 @@ def tune(spec: Spec, outdir, runner, *, parallel=1, log=print) -> list[dict]:
 
 def _tuning_rows(spec: Spec, outdir: pathlib.Path) -> list[dict]:
   """The tuning rows; an error unless every tuning run has one."""
-  rows = read_rows(outdir / "tuning.jsonl")
-  jobs = tune_jobs(spec)
-  have = {(r["seed"], r["cell"], r["arm"], r["lr"]) for r in rows}
-  missing = [j for j in jobs if (j.seed, j.cell, j.arm, j.lr) not in have]
-  if missing:
-    raise StageError(f"{len(missing)} of {len(jobs)} tuning runs have no row in "
-                     f"{outdir / 'tuning.jsonl'} (first: {missing[0].name}): run "
-                     "--stage=tune first")
+  rows = _of_jobs(spec, read_rows(outdir / "tuning.jsonl"), tune_jobs(spec),
+                  outdir / "tuning.jsonl", "tune")
   return rows
+
+
+def _of_jobs(spec: Spec, rows: list[dict], jobs: list[Job], path, stage: str):
+  """The rows of ``jobs`` (matched by config hash: a row of other settings,
+  say from before the spec changed, is not one of them); an error naming
+  the first job without a row."""
+  keys = {config_hash(run_settings(spec, j)): j for j in jobs}
+  mine = [r for r in rows if r.get("config_hash") in keys]
+  missing = [j for k, j in keys.items() if k not in {r["config_hash"] for r in mine}]
+  if missing:
+    raise StageError(f"{len(missing)} of {len(jobs)} {stage} runs have no row in "
+                     f"{path} (first: {missing[0].name}): run --stage={stage} first")
+  return mine
 
 
 def plan(spec: Spec, outdir, *, pilot=None, log=print) -> str:
@@ -197,8 +204,12 @@ def report(spec: Spec, outdir, *, log=print) -> str:
   tuning = read_rows(outdir / "tuning.jsonl")
   if legacy.is_legacy_rows(rows):
     rows = legacy.rows(rows)
+  else:  # the confirmation runs of this plan; a partial study reports what it has
+    keys = {config_hash(run_settings(spec, j)) for j in confirm_jobs(p)}
+    rows = [r for r in rows if r.get("config_hash") in keys]
   if not rows:
-    raise StageError(f"{outdir / 'results.jsonl'}: no rows; run --stage=confirm first")
+    raise StageError(f"{outdir / 'results.jsonl'}: no rows of this plan's "
+                     "confirmation runs; run --stage=confirm first")
   status = outdir / "confirmed_seeds.json"
   text = texts.report_md(p, rows, len(tuning),
                          json.loads(status.read_text()) if status.exists() else None)
