@@ -36,6 +36,13 @@ part's padding line in the results says which).
 Part 2 ("real", ``--real_config``): the first ``--real_steps`` steps of that
 config in both trainers (no held-out evaluation): seconds per step, ratio.
 
+``--protocol=FILE`` reads part 1's pre-stated criteria (any of ``seeds``,
+``losses``, ``steps``, ``margin``, ``plan_sd``, ``speed_ratio``,
+``speed_plan_sd``; a JSON object) from a file that must be committed and
+unchanged at HEAD, on a clean tree (``--allow_dirty`` lets a dirty one
+through and the results say so): ``ba_jax.ablation.protocol.guard``. Every
+run record then names the protocol's and the code's commit.
+
 Results: ``--out`` (markdown; raw numbers in the .json next to it, merged
 across invocations so the parts can run separately) and the curves' PNG.
 Each run's records are kept under ``--workdir`` and a rerun skips finished
@@ -53,6 +60,7 @@ import shutil
 import sys
 import time
 
+from ba_jax.ablation import protocol as protocol_lib
 from experiments.studies.compare_trl import compare_trl_report as report_lib
 from experiments.studies.compare_trl.compare_trl_runs import (LOSS_TYPES, REPO, Evaluator, cell_config,
                               load_config, matmul_gflops, pick_torch_threads,
@@ -73,7 +81,31 @@ def _save(path: pathlib.Path, record: dict) -> dict:
   return record
 
 
-def part_train(args, log) -> dict:
+PROTOCOL_KEYS = ("seeds", "losses", "steps", "margin", "plan_sd", "speed_ratio",
+                 "speed_plan_sd")
+
+
+def apply_protocol(args, defaults: dict) -> dict:
+  """Set ``args`` from the committed ``--protocol`` file; an error when a
+  flag given on the command line says otherwise. The guard's record."""
+  path = pathlib.Path(args.protocol)
+  out = pathlib.Path(args.out).parent if args.out else RESULTS
+  record = protocol_lib.guard([path], allow_dirty=args.allow_dirty,
+                              exclude=[pathlib.Path(args.workdir).resolve(), out.resolve()])
+  stated = json.loads(path.read_text())
+  unknown = sorted(set(stated) - set(PROTOCOL_KEYS))
+  if unknown:
+    raise ValueError(f"{path}: unknown key(s) {unknown}; expected some of {PROTOCOL_KEYS}")
+  for key, value in stated.items():
+    given = getattr(args, key)
+    if given != defaults[key] and given != value:
+      raise ValueError(f"--{key}={given!r} contradicts {path}'s {key}={value!r}: "
+                       "the protocol file decides")
+    setattr(args, key, value)
+  return dict(record, file=str(path))
+
+
+def part_train(args, log, stamp: dict | None = None) -> dict:
   base = load_config(args.config, args.set)
   steps = args.steps or base.rl.steps
   work = pathlib.Path(args.workdir)
@@ -131,7 +163,9 @@ def part_train(args, log) -> dict:
           for n, a in final.items()) + " (sampled/greedy)")
       cells[f"{loss}/{seed}"] = _save(record_file, dict(
           loss=loss, trl_loss=LOSS_TYPES[loss], seed=seed, order=order,
-          before=before, final=final, runs=runs))
+          before=before, final=final, runs=runs,
+          **{k: stamp[k] for k in ("code_commit", "protocol_commit", "dirty")
+             if stamp}))
       index += 1
   return dict(config=args.config, steps=steps, seeds=args.seeds,
               losses=args.losses, eval_every=args.eval_every,
@@ -277,6 +311,12 @@ def main(argv=None):
   p.add_argument("--speed_plan_sd", type=float, default=0.0,
                  help="with --speed_ratio: the SD of the per-pair log ratios "
                  "expected (from an earlier run), for the protocol's power")
+  p.add_argument("--protocol", default="",
+                 help="part 1's criteria from this committed JSON file "
+                      "(refused unless committed and unchanged at HEAD)")
+  p.add_argument("--allow_dirty", action="store_true",
+                 help="with --protocol: run on a tree with uncommitted changes "
+                      "(the results say so)")
   p.add_argument("--workdir", default="/tmp/compare_trl")
   p.add_argument("--out", default="")
   p.add_argument("--torch_threads", type=int, default=0,
@@ -292,6 +332,10 @@ def main(argv=None):
   args.parts = [x for x in args.parts.split(",") if x]
   args.seeds = [int(x) for x in args.seeds.split(",")]
   args.losses = [x for x in args.losses.split(",") if x]
+  stamp = None
+  if args.protocol and not args.report_only:
+    defaults = dict(vars(p.parse_args([])), seeds=[0, 1, 2], losses=list(LOSS_TYPES))
+    stamp = apply_protocol(args, defaults)
   if args.margin < 0 or args.plan_sd < 0 or (args.plan_sd and not args.margin):
     raise ValueError(f"--margin={args.margin} --plan_sd={args.plan_sd}: expected "
                      "a margin >= 0 (0: no test) and a plan_sd >= 0 only with a margin")
@@ -323,7 +367,8 @@ def main(argv=None):
       f"{meta['host']['matmul_gflops']}")
   for part in args.parts:
     if part == "train":
-      results["train"] = dict(part_train(args, log), meta=_ended(meta))
+      results["train"] = dict(part_train(args, log, stamp), meta=_ended(meta),
+                              **({"protocol": stamp} if stamp else {}))
       report_lib.plot(results["train"], png)
     elif part == "real":
       results["real"] = dict(part_real(args, log), meta=_ended(meta))

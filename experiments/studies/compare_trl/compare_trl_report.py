@@ -412,6 +412,25 @@ def _load(host: dict) -> str:
           f"{host['load_end']:.1f} at the end")
 
 
+def protocol_record(train: dict) -> list[str]:
+  """The committed protocol file and the commits of part 1's runs, when it
+  ran under ``--protocol``."""
+  record = train.get("protocol")
+  if not record:
+    return []
+  commits = sorted({(c.get("protocol_commit", ""), c.get("code_commit", ""))
+                    for c in train.get("cells", {}).values()})
+  lines = [f"Criteria from `{record['file']}`, committed at "
+           f"`{record['protocol_commit']}` and unchanged when the runs started; "
+           "runs by protocol and code commit: " + "; ".join(
+               f"`{p}` / `{c}`" for p, c in commits) + "."]
+  dirty = sorted({x for c in train.get("cells", {}).values() for x in c.get("dirty", [])})
+  if dirty:
+    lines[0] += (f" **Dirty tree**: runs went with uncommitted changes to "
+                 f"{', '.join(dirty)} (`--allow_dirty`).")
+  return lines + [""]
+
+
 def report(results: dict, path: pathlib.Path, png: pathlib.Path | None):
   lines = ["# ba_jax vs TRL's GRPOTrainer on the same job", ""]
   for name in ("train", "real"):
@@ -428,6 +447,7 @@ def report(results: dict, path: pathlib.Path, png: pathlib.Path | None):
         f"{g['torch_threads']} threads)**, the floor reference (hosts of this "
         f"kind differ several-fold). Versions: {host['versions']}.", ""]
   train = results.get("train", {})
+  lines += protocol_record(train)
   n_seeds = max(len(train.get("seeds", [])), 2)
   t975 = float(stats.t.ppf(0.975, n_seeds - 1))
   margin = train.get("margin", 0.0)
