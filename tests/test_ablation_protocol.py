@@ -207,3 +207,24 @@ def test_spec_errors_name_the_key(tmp_path):
                         (dict(warmup="maybe"), "warmup=")):
     with pytest.raises(ValueError, match=words):
       spec_lib.from_dict(dict(base, **change))
+
+
+def test_plan_sizes_the_confirmation_from_the_tuning_runs(study):
+  repo, spec = study
+  from ba_jax.ablation import stats
+  text = stages.run("plan", spec, log=lambda *_: None)
+  rows = read_rows(repo / "study/results/tuning.jsonl")
+  by = {(r["arm"], r["seed"]): r["reward_auc"] for r in rows if r["lr"] == 3e-4}
+  d = [by[("balanced", s)] - by[("token", s)] for s in (100, 101, 102)]
+  sd = np.std(d, ddof=1)
+  want = (f"| a | balanced - token (superiority) | 3 | {sd:.4f} | "
+          f"{stats.min_detectable_difference(4, sd):.4f} | "
+          f"{stats.seeds_for(0.06, sd)} | {stats.seeds_for(0.03, sd)} |")
+  assert want in text and (repo / "study/results/PLAN.md").read_text() == text
+  # a margin from the tuning runs' power: the one-sided detectable difference
+  (repo / "study/spec.py").write_text(SPEC.replace("margin=0.05", 'margin="mdd"'))
+  for name in ("predictions.json", "PREDICTIONS.md"):
+    (repo / "study/results" / name).unlink()
+  plan = stages.predict(spec_lib.load("study/spec.py"), None, log=lambda *_: None)
+  assert plan["margin"] == pytest.approx(stats.min_detectable_difference(
+      4, plan["paired_sd"], two_sided=False))

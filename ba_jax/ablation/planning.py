@@ -110,7 +110,7 @@ def seeds_needed(spec, rows: list[dict]) -> list[dict]:
       sd = float(np.std(d, ddof=1)) if len(d) > 1 else float("nan")
       need = {m: (stats.seeds_for(m, sd, alpha=spec.alpha, power=spec.power)
                   if sd > 0 else None) for m in spec.detectable}
-      out.append(dict(cell=cell, comparison=f"{c.a} - {c.b}", pairs=len(d),
+      out.append(dict(cell=cell, comparison=f"{c.a} - {c.b} ({c.kind})", pairs=len(d),
                       sd=sd, seeds_for=need,
                       mdd_at_confirm=(stats.min_detectable_difference(
                           len(spec.confirm_seeds), sd, alpha=spec.alpha,

@@ -97,17 +97,16 @@ def predictions_md(plan: dict) -> str:
             f"is 0: {_f(p['ni_power_at_zero'], '.2f')}. The SD comes from few "
             "tuning seeds: these numbers are estimates.", ""]
   if p.get("predictions"):
-    extra = [k for k in next(iter(p["predictions"].values()))
-             if k not in {f"{a} vs {b}" for a, b, _ in p["comparisons"]}]
+    labels = list(dict.fromkeys(f"{a} vs {b}" for a, b, _ in p["comparisons"]))
+    extra = [k for k in next(iter(p["predictions"].values())) if k not in labels]
     lines += ["## Predictions", "",
-              "| cell | " + " | ".join(f"{a} vs {b}" for a, b, _ in p["comparisons"])
-              + "".join(f" | {k}" for k in extra) + " |",
-              "|---|" + "---|" * (len(p["comparisons"]) + len(extra))]
+              "| cell | " + " | ".join(labels + extra) + " |",
+              "|---|" + "---|" * (len(labels) + len(extra))]
     for cell in p["cells"]:
       pr = p["predictions"].get(cell, {})
       lines.append(f"| {cell} | " + " | ".join(
-          pr.get(f"{a} vs {b}", "not predicted") for a, b, _ in p["comparisons"])
-          + "".join(f" | {pr.get(k, '')}" for k in extra) + " |")
+          [pr.get(k, "not predicted") for k in labels] + [pr.get(k, "") for k in extra])
+          + " |")
     lines.append("")
   if p.get("notes"):
     lines += [p["notes"].strip(), ""]
