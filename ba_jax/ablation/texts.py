@@ -153,7 +153,11 @@ def power_seen(plan: dict, rows: list[dict]) -> list[str]:
            "| cell | comparison | seeds | paired SD | MDD at these seeds | "
            + " | ".join(f"seeds for MDD {m:g}" for m in PLANNING_MDDS) + " |",
            "|---|---|---:|---:|---:|" + "---:|" * len(PLANNING_MDDS)]
+  seen = set()
   for t in run_tests(plan, rows, "tuned", outcome):
+    if (t["cell"], t["a"], t["b"]) in seen:  # one pair, two hypotheses: one SD
+      continue
+    seen.add((t["cell"], t["a"], t["b"]))
     n, sd = t["t"]["n"], t["t"]["sd"]
     known = n > 1 and sd > 0
     mdd = stats.min_detectable_difference(n, sd) if known else float("nan")
@@ -198,7 +202,7 @@ def _noise_lines(plan, rows, setting) -> list[str]:
         lines.append(f"| {setting} | {cell} | {arm} | {_f(held['share'], '.2f')} | "
                      f"{_f(reward['share'], '.2f')} |")
     by = {(r["arm"], r["seed"]): r for r in srows if r["cell"] == cell}
-    for a, b, _ in plan["comparisons"]:
+    for a, b in dict.fromkeys((a, b) for a, b, _ in plan["comparisons"]):
       pairs = [(by[(a, s)], by[(b, s)]) for s in plan["confirm_seeds"]
                if (a, s) in by and (b, s) in by]
       if len(pairs) > 1:
