@@ -1,5 +1,5 @@
 """The length-controlled task (ba_jax/tasks/chains.py) for the aggregation grid
-(experiments/grid_aggregation.py): a small Qwen3-style policy, supervised
+(experiments/studies/chains_grid/grid_aggregation.py): a small Qwen3-style policy, supervised
 warm-up, then short GRPO runs at a stressing learning rate.
 
     python -m ba_jax.train --config=configs/chains.py:spread=high,gap=pos,agg=balanced \
@@ -26,7 +26,7 @@ chains); ``--config.task.rule=min_chains:2`` gives a chain rule, which also
 checks every chain's arithmetic. Numbers are drawn from 1..5 so that most
 partial sums stay single digits; ``big`` gives a ~1M-parameter policy
 (``MODEL`` is smaller, so the grid fits its time budget). The study's
-reasoning for these choices: experiments/results/grid/README.md.
+reasoning for these choices: experiments/studies/chains_grid/README.md.
 """
 import os
 import runpy

@@ -1,6 +1,6 @@
 """The drafts task (ba_jax/tasks/drafts.py), whose response length is chosen
 at every draft, for the powered aggregation ablation
-(experiments/powered_ablation.py): a small Qwen3-style policy, supervised
+(experiments/studies/powered_drafts/spec.py): a small Qwen3-style policy, supervised
 warm-up, then short GRPO runs.
 
     python -m ba_jax.train --config=configs/drafts.py:gap=pos,agg=balanced \

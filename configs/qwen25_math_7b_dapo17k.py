@@ -66,7 +66,7 @@ def get_config(arg=None):
   # --notrain --config.rl.kv_cache_gib=10`: the engine's estimated peak
   # less its cache is 1.69 GiB per device and the trainer keeps 0.89 GiB of
   # AdamW moments resident, so 11 GiB (rounded down to 0.5 GiB) leaves 2 GiB
-  # of a v5e chip's 16 free; experiments/results/dry_run.md has the report
+  # of a v5e chip's 16 free; experiments/benchmarks/results/dry_run.md has the report
   # at this default. Larger slices fit more (the dry run says how many).
   c.rl.kv_cache_gib = 11.0
   if args.get("runlocal"):

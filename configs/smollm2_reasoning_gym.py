@@ -7,9 +7,9 @@
 
 No warm-up: GRPO with balanced aggregation straight from the checkpoint.
 Problems are reasoning-gym's ``basic_arithmetic`` (ba_jax/tasks/reasoning_gym_task.py);
-the difficulty was chosen by ``experiments/smollm2_reasoning_gym.py
+the difficulty was chosen by ``experiments/studies/smollm2_reasoning_gym/smollm2_reasoning_gym.py
 --stage=probe`` (the untrained model's held-out pass rate, written to
-experiments/results/smollm2_probe.md before any RL run) so that groups are
+experiments/studies/smollm2_reasoning_gym/results/smollm2_probe.md before any RL run) so that groups are
 mixed. The prompt is the model's chat template around the question and an
 instruction to give the final number only; the answer is the last number of
 the response, scored by the dataset's own ``score_answer`` (a response with
@@ -17,7 +17,7 @@ no number scores 0 and counts as a format failure). SmolLM2 ignores
 reasoning-gym's own <answer>-tag instruction, hence this prompt.
 ``--config.rl.share_prompt=true`` computes each group's prompt once in the
 update (the same sums; 16 s instead of 27 s an update on a 2-core host,
-experiments/results/compare_trl_shared_prompt.md); the committed results of
+experiments/studies/compare_trl/results/compare_trl_shared_prompt.md); the committed results of
 this config ran without it.
 Variants (comma separated after the colon):
 

@@ -6,13 +6,12 @@ rule here would add a process start and a fresh train-step compile, the bulk
 of this test's time in CI's cold cache."""
 import json
 import pathlib
-import sys
 
 import pytest
 
+from experiments.studies.aggregation_ablation import ablate_aggregation
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import ablate_aggregation  # noqa: E402
 
 
 @pytest.mark.slow

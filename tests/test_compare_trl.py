@@ -1,9 +1,9 @@
-"""experiments/compare_trl.py's quick path end to end (2 RL steps, one seed,
+"""experiments/studies/compare_trl/compare_trl.py's quick path end to end (2 RL steps, one seed,
 one loss type, both trainers), so the comparison script cannot rot."""
+import argparse
 import json
 import math
 import pathlib
-import sys
 
 import pytest
 from flax import nnx
@@ -17,8 +17,7 @@ import trainer_utils
 
 pytest.importorskip("trl")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import compare_trl  # noqa: E402
+from experiments.studies.compare_trl import compare_trl  # noqa: E402
 
 
 @pytest.mark.slow
@@ -90,7 +89,7 @@ def _rows(accuracies):
 def test_accuracy_row_tests_non_inferiority_from_the_paired_differences():
   import numpy as np  # pylint: disable=import-outside-toplevel
   from scipy import stats  # pylint: disable=import-outside-toplevel
-  import compare_trl_report as report  # pylint: disable=import-outside-toplevel
+  from experiments.studies.compare_trl import compare_trl_report as report  # pylint: disable=import-outside-toplevel
   theirs = [0.50, 0.55, 0.48, 0.52, 0.60, 0.45]
   diffs = np.array([0.01, -0.02, 0.0, 0.03, -0.01, 0.007])
   ours = list(np.array(theirs) + diffs)
@@ -113,8 +112,8 @@ def test_accuracy_row_tests_non_inferiority_from_the_paired_differences():
 
 
 def test_noninferiority_plan_states_the_power_at_the_planning_sd():
-  import ablation_stats  # pylint: disable=import-outside-toplevel
-  import compare_trl_report as report  # pylint: disable=import-outside-toplevel
+  from ba_jax.ablation import stats as ablation_stats  # pylint: disable=import-outside-toplevel
+  from experiments.studies.compare_trl import compare_trl_report as report  # pylint: disable=import-outside-toplevel
   line = report.noninferiority_plan(0.03, 16, 0.04)
   equal = ablation_stats.t_test_power(0.03, 16, 0.04, two_sided=False)
   worse = ablation_stats.t_test_power(0.02, 16, 0.04, two_sided=False)
@@ -127,7 +126,7 @@ def test_noninferiority_plan_states_the_power_at_the_planning_sd():
 def test_speed_test_bounds_the_geometric_mean_of_the_pairs_ratios():
   import numpy as np  # pylint: disable=import-outside-toplevel
   from scipy import stats  # pylint: disable=import-outside-toplevel
-  import compare_trl_report as report  # pylint: disable=import-outside-toplevel
+  from experiments.studies.compare_trl import compare_trl_report as report  # pylint: disable=import-outside-toplevel
   # One pair below 2x (the every-pair rule fails), the mean well above it.
   ratios = [2.05, 2.09, 2.27, 2.09, 1.999, 2.18, 2.08, 2.20, 2.19]
   logs = np.log(ratios)
@@ -144,8 +143,8 @@ def test_speed_test_bounds_the_geometric_mean_of_the_pairs_ratios():
 
 
 def test_speed_plan_states_the_power_at_the_planning_sd():
-  import ablation_stats  # pylint: disable=import-outside-toplevel
-  import compare_trl_report as report  # pylint: disable=import-outside-toplevel
+  from ba_jax.ablation import stats as ablation_stats  # pylint: disable=import-outside-toplevel
+  from experiments.studies.compare_trl import compare_trl_report as report  # pylint: disable=import-outside-toplevel
   line = report.speed_plan(2.0, 15, 0.041)
   powers = [ablation_stats.t_test_power(math.log(k), 15, 0.041, two_sided=False)
             for k in (1.025, 1.05, 1.1)]
@@ -166,3 +165,45 @@ def test_a_speed_plan_sd_without_a_ratio_or_a_ratio_not_above_1_is_refused(tmp_p
 def test_a_plan_sd_without_a_margin_or_a_negative_margin_is_refused(tmp_path, flags):
   with pytest.raises(ValueError, match="--margin="):
     compare_trl.main(flags + ["--report_only", f"--out={tmp_path / 'x.md'}"])
+
+
+def test_a_protocol_file_must_be_committed_and_decides_the_criteria(tmp_path, monkeypatch):
+  """--protocol: the guard of ba_jax.ablation.protocol, the file's criteria
+  set on the arguments, a contradicting flag refused, and the record
+  printed in the results."""
+  from ba_jax.ablation import protocol
+  from experiments.studies.compare_trl import compare_trl_report as report
+  for k in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
+    monkeypatch.setenv(k, "t")
+  for k in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
+    monkeypatch.setenv(k, "t@example.invalid")
+  protocol.git(["init", "-q"], tmp_path)
+  (tmp_path / "code.py").write_text("x = 1\n")
+  path = tmp_path / "protocol.json"
+  path.write_text(json.dumps(dict(seeds=[6, 7], margin=0.03, plan_sd=0.04)))
+  defaults = dict(seeds=[0, 1, 2], losses=["token"], steps=0, margin=0.0, plan_sd=0.0,
+                  speed_ratio=0.0, speed_plan_sd=0.0)
+
+  def args(**kw):
+    return argparse.Namespace(**dict(defaults, protocol=str(path), allow_dirty=False,
+                                     workdir=str(tmp_path / "work"),
+                                     out=str(tmp_path / "out" / "c.md")) | kw)
+  with pytest.raises(protocol.ProtocolError, match="protocol.json is not committed"):
+    compare_trl.apply_protocol(args(), defaults)
+  protocol.git(["add", "."], tmp_path)
+  protocol.git(["commit", "-qm", "protocol"], tmp_path)
+  a = args()
+  record = compare_trl.apply_protocol(a, defaults)
+  assert (a.seeds, a.margin, a.plan_sd) == ([6, 7], 0.03, 0.04)
+  assert record["protocol_commit"] == record["code_commit"] == protocol.git(
+      ["rev-parse", "HEAD"], tmp_path)
+  with pytest.raises(ValueError, match="--margin=0.05 contradicts"):
+    compare_trl.apply_protocol(args(margin=0.05), defaults)
+  (tmp_path / "code.py").write_text("x = 2\n")
+  with pytest.raises(protocol.ProtocolError, match="uncommitted changes"):
+    compare_trl.apply_protocol(args(), defaults)
+  dirty = compare_trl.apply_protocol(args(allow_dirty=True), defaults)
+  cell = {k: dirty[k] for k in ("code_commit", "protocol_commit", "dirty")}
+  lines = report.protocol_record(dict(protocol=dirty, cells={"token/6": cell}))
+  assert f"committed at `{dirty['protocol_commit']}`" in lines[0]
+  assert "**Dirty tree**: runs went with uncommitted changes to code.py" in lines[0]

@@ -198,15 +198,12 @@ def test_length_control_on_a_tiny_warmed_up_policy():
   """A tiny policy warmed up for 300 steps keeps the length knobs on its own
   samples: the spread, and the gap's sign under each rule (its answers are
   right ~8% of the time, enough for a fifth of the groups to be mixed)."""
-  import pathlib
-  import sys
   import jax
   from flax import nnx
   from ba_jax.generation import sampler
   from ba_jax.policy import model as model_lib
   from ba_jax.update import sft
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
-  import drafts_warmup_probe as probe
+  from experiments.studies.powered_drafts import drafts_warmup_probe as probe
 
   c = cfg(max_terms=2, max_drafts=5)
   task = drafts.DraftsTask(c, seed=0, tokenizer=drafts.build_tokenizer(),

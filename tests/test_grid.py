@@ -2,15 +2,14 @@
 statistics, and the script end to end on a 2-step smoke setting."""
 import json
 import pathlib
-import sys
 
 import numpy as np
 import pytest
 
+from ba_jax.ablation import stability
+from experiments.studies.chains_grid import grid_aggregation
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import grid_aggregation  # noqa: E402
-import stability  # noqa: E402
 
 
 def _records(accuracy, entropy=None, length=None):

@@ -3,8 +3,9 @@
 Two columns meet only in ``run``: the model and generation column (``loss``,
 ``policy``, ``generation``, ``update``) and the data and reward column
 (``sandboxing``, ``tasks``); neither imports the other. ``config`` (the
-schema) sits under both; ``scaling`` (the dry run) and the command modules at
-the top (``ba_jax/*.py``) may use anything below them. Each package may import
+schema) sits under both; ``scaling`` (the dry run), ``ablation`` (the
+ablation runner, whose runs are ``ba_jax.train`` processes) and the command
+modules at the top (``ba_jax/*.py``) may use anything below them. Each package may import
 only the packages ``ALLOWED`` names (and itself), lazy imports included, and no
 module-level import cycle exists. README.md's Layout section names every
 package and module.
@@ -30,9 +31,10 @@ ALLOWED = {
     "run": {"config", "loss", "policy", "generation", "update", "sandboxing",
             "tasks"},
     "scaling": {"config", "policy", "generation", "update", "run"},
+    "ablation": {"config", "run"},
 }
 COMMANDS = ("train", "evaluate", "export", "dry_run", "convert_gguf",
-            "accelerator_check")
+            "accelerator_check", "ablate")
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -166,10 +166,7 @@ def test_runlocal_runs_the_real_configs_code_path(tmp_path):
 
 
 def test_paired_interval_of_the_smollm2_report():
-  import sys
-  sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve()
-                         .parents[1] / "experiments"))
-  import smollm2_reasoning_gym as report
+  from experiments.studies.smollm2_reasoning_gym import smollm2_reasoning_gym as report
   # Every problem gains exactly 1: the interval collapses onto the gain.
   assert report.paired_interval(np.zeros(50), np.ones(50)) == (1.0, 1.0, 1.0)
   rng = np.random.default_rng(0)
@@ -187,10 +184,7 @@ def test_paired_interval_of_the_smollm2_report():
 def test_length_probe_reports_the_rollouts_own_statistics(tmp_path):
   """The pilot's length probe on a tiny model: per candidate, one rollout's
   pass rate and within-group length statistics, as a table."""
-  import sys
-  sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve()
-                         .parents[1] / "experiments"))
-  import smollm2_reasoning_gym as report
+  from experiments.studies.smollm2_reasoning_gym import smollm2_reasoning_gym as report
   ckpt = save_tiny_model("llama", tmp_path / "model")
   # The tiny model's 256 positions: character-level prompts, a short budget
   candidates = tuple(c[:4] + (24,) for c in (report.LENGTH_CANDIDATES[0],

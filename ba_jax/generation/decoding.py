@@ -57,7 +57,7 @@ def auto_cache_phases(length: int, backend: str | None = None) -> int:
   where that read is a third of a step, each step runs on the shortest of a few cache lengths
   that holds its rows (the static sampler grows its cache, `kv_cache.grow`; the engine slices
   a prefix, `kv_cache.prefix`): a step then reads ~the written part
-  (experiments/results/engine_bench.md). Each phase compiles its own loop body, and growing or
+  (experiments/benchmarks/results/engine_bench.md). Each phase compiles its own loop body, and growing or
   slicing holds up to two copies of the cache, so accelerators (where a paged or ragged
   attention kernel is the way to skip empty positions) and short caches keep one phase.
   """
@@ -69,7 +69,7 @@ def auto_cache_phases(length: int, backend: str | None = None) -> int:
 # Every cache length but the whole one is a multiple of this (16 float32 lanes, an AVX-512
 # vector), so each row of the keys [B, K, D, S] is whole vectors: the static sampler's decode step
 # on XLA:CPU ran ~6% faster with the same tokens, the engine's level within noise
-# (experiments/results/engine_bench.md).
+# (experiments/benchmarks/results/engine_bench.md).
 PHASE_ALIGN = 16
 
 

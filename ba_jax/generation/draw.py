@@ -3,7 +3,7 @@
 Both are two-level on large vocabularies: XLA:CPU's cumsum over 32k entries (an
 associative scan) and its variadic-reduce argmax cost 5-30x more than a reduction
 per 256-entry block followed by the same work inside the one chosen block
-(`experiments/results/engine_bench.md`).
+(`experiments/benchmarks/results/engine_bench.md`).
 """
 import jax
 import jax.numpy as jnp
@@ -91,7 +91,7 @@ def draw_tokens(logits_NxV: jax.Array, rng: jax.Array | None, temperature=1.0, *
   if top_k == 0 and top_p >= 1.0:
     # The temperature divides inside the exponent: no scaled copy of the [N, V] logits, one
     # pass over them fewer (~1 ms of a ~68 ms step for 128 rows x 32000 on XLA:CPU,
-    # experiments/results/engine_bench.md). At temperature 1 the same bits as scaling first.
+    # experiments/benchmarks/results/engine_bench.md). At temperature 1 the same bits as scaling first.
     max_N = jnp.max(logits_NxV, axis=-1)
     tok_N, total_N = _inverse_cdf(jnp.exp((logits_NxV - max_N[:, None]) / temperature), u_N)
     picked_N = jnp.take_along_axis(logits_NxV, tok_N[:, None], axis=-1)[:, 0]

@@ -64,7 +64,7 @@ def _cache_attention_cpu(q_BxKxGxD, k_BxKxDxS, v_BxKxSxD, allowed_BxS):
   The same sums as the two einsums, which XLA:CPU hands to a batched matmul library call that
   reads the cache at ~10 GB/s for these [G x D] x [D x S] products. As fused reductions a
   step's attention (128 rows x 287 positions x 8 layers) took 42 instead of 53 ms in the engine,
-  and about half that with the late normalisation below (experiments/results/engine_bench.md).
+  and about half that with the late normalisation below (experiments/benchmarks/results/engine_bench.md).
   Accelerators keep the matmuls.
   """
   f32 = jnp.float32

@@ -6,7 +6,7 @@ step); ``make_setup`` applies it with ``use``. ``"fast"``
 compiles with XLA:CPU's older loop emitters instead of its fusion emitters and
 LLVM's optimisation level 1 instead of 2. It pays off for tiny models, whose
 compile time is many small fusions, and not for larger ones
-(``experiments/bench_compile_options.py``, 2-core host, each run a fresh
+(``experiments/benchmarks/bench_compile_options.py``, 2-core host, each run a fresh
 process): on the default tiny job's 20 RL steps it takes compilation to 0.61x,
 the steps after the first to 0.90x and the whole run to 0.80x; on
 SmolLM2-135M compilation is 1.30x and the steps 1.05x slower. So
@@ -23,7 +23,7 @@ and JAX version) loads it instead. Seeds of an ablation, a resumed run and a
 rerun of the quick start then skip XLA's compilation, though not the tracing
 and lowering that find the program: the tiny job's first RL step took 4.8 s
 cold and 1.5 s warm on one 2-core host, with results identical to the bit
-(``experiments/compare_trl.py`` without and with ``--warm_cache``).
+(``experiments/studies/compare_trl/compare_trl.py`` without and with ``--warm_cache``).
 """
 from __future__ import annotations
 

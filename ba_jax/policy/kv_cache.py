@@ -7,8 +7,8 @@ faster than `[B, S, K, D]` on CPU). Keys are stored transposed so that
 both attention matmuls (q.K and p.V) contract a row-major operand's leading
 axis: XLA:CPU ran `einsum("bkgd,bksd->bkgs")` ~14x slower than the same
 product against `[B, K, D, S]` keys (23.0 vs 1.6 ms for 128 rows x 287
-positions, 4 kv heads of 64: experiments/results/engine_bench.md). That is XLA:CPU's
-layout only: for an accelerator (`compiling.backend()`) the keys are `[B, K, S, D]`
+positions, 4 kv heads of 64: experiments/benchmarks/results/engine_bench.md). That is
+XLA:CPU's layout only: for an accelerator (`compiling.backend()`) the keys are `[B, K, S, D]`
 like the values (`key_axes`), since XLA:TPU keeps them in its own layout and
 copied transposed keys into it every engine step. Then a mask
 `[B, S]` (1 where a real token was written) and `index`, the next slot to write:

@@ -73,7 +73,7 @@ class ModelConfig:
   # Layer bodies per iteration of the uncached forward's lax.scan (1: one body, the smallest
   # program; more trades compile time and code size for fewer loop iterations). 0 ("auto"): every
   # layer on XLA:CPU, where the scan's loop costs ~10% of a fwd+bwd step against the unrolled
-  # layers (experiments/results/model_bench.md), and 1 on accelerators. See `layer_unroll`.
+  # layers (experiments/benchmarks/results/model_bench.md), and 1 on accelerators. See `layer_unroll`.
   scan_unroll: int = dataclasses.field(default=0, compare=False)
 
   def __post_init__(self):
@@ -232,7 +232,7 @@ def token_einsum(subscripts: str, x, kernel, *, einsum=jnp.einsum):
 
   The same sums. With rows and positions as two axes, the weight's gradient contracts over both, and
   XLA:CPU ran such a backward about 2x slower than the one-axis form (an MLP's fwd+bwd at 64 rows x
-  48 positions: 17 vs 9 ms; experiments/results/token_axis_bench.md); merging leading axes is a free
+  48 positions: 17 vs 9 ms; experiments/benchmarks/results/token_axis_bench.md); merging leading axes is a free
   reshape on every backend, sharded rows included.
   """
   B, L = x.shape[:2]
@@ -434,7 +434,7 @@ class Decoder(nnx.Module):
 
     `layers`: `self.layer_slices()` (or per-layer modules), taken once outside a decode loop; on the
     uncached path they run in an unrolled Python loop instead of the layer scan (the pre-scan program,
-    which `experiments/bench_model.py` times against the scan).
+    which `experiments/benchmarks/bench_model.py` times against the scan).
 
     `shared_prefix=(P, G)` (uncached only): each row is packed as a prefix of P positions followed
     by G suffixes of (L - P) / G positions that each continue it, e.g. a prompt and its group's

@@ -25,7 +25,7 @@ chain go wrong by a small amount from one value on, carried to the answer;
 the error is drawn independently of ``r``, and every rule grades a warm-up
 trace alike, so the warm-up does not depend on the rule. Problems, held-out
 split, seeding and tokenizer are the addition task's. Why the aggregation
-grid uses the count rules: experiments/results/grid/README.md.
+grid uses the count rules: experiments/studies/chains_grid/README.md.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The quick start's closing line under settings that change floating-point rounding.
 
-    python experiments/benchmarks/quickstart_spread.py \
-        --output=experiments/results/quickstart_spread.md
+    python -m experiments.benchmarks.quickstart_spread \
+        --output=experiments/benchmarks/results/quickstart_spread.md
 
 Runs the README's default job (``configs/tiny.py``, same seeds) once per
 variant, one after the other in fresh workdirs, and tabulates its closing
@@ -65,7 +65,7 @@ def main():
     rows.append((name, figures, seconds))
     print(name, figures, f"{seconds:.0f} s", flush=True)
   lines = ["# The quick start's closing line across rounding variants", "",
-           "`python experiments/benchmarks/quickstart_spread.py --output=" + args.output + "`",
+           "`python -m experiments.benchmarks.quickstart_spread --output=" + args.output + "`",
            "", "128 held-out problems; sampled: T = 1, 4 samples each.", "",
            "| variant | sampled before | sampled after | greedy before | greedy after | wall s |",
            "|---|---|---|---|---|---|"]

@@ -1,0 +1,180 @@
+"""Where runs go: N local runs at once, each a ``python -m ba_jax.train``
+process on its share of the cores, one row stored per finished run.
+
+A job is (cell, arm, rate, seed). Its settings (the config argument and the
+``--config.`` overrides) hash to its key in the store, so a study that was
+killed resumes by running only the jobs whose key has no row; a run cut
+short starts again in an empty workdir. With ``warmup="per_seed"`` each
+seed's supervised warm-up runs once, is exported, and every RL run of that
+seed starts from it (common random numbers); ``shared`` uses seed 0's for
+every seed.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+from typing import Callable
+
+from ba_jax.ablation import summary
+from ba_jax.ablation.store import Store, config_hash
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Job:
+  seed: int
+  cell: str
+  arm: str
+  lr: float
+
+  @property
+  def name(self) -> str:
+    return f"{self.cell}_{self.arm}_lr{self.lr:g}_s{self.seed}"
+
+
+def _flag_value(v) -> str:
+  return repr(v) if isinstance(v, float) else str(v)
+
+
+def command(settings: dict, workdir) -> list[str]:
+  """The ``python -m ba_jax.train`` command line of ``settings``."""
+  return [sys.executable, "-m", "ba_jax.train", f"--config={settings['config']}",
+          f"--workdir={workdir}"] + [
+              f"--config.{k}={_flag_value(v)}" for k, v in settings["overrides"].items()]
+
+
+def _config_arg(config: str, variant: str) -> str:
+  if not variant:
+    return config
+  return f"{config},{variant}" if ":" in config else f"{config}:{variant}"
+
+
+def warmup_seed(spec, seed: int) -> int | None:
+  """The seed whose warm-up a run of ``seed`` starts from (None: no warm-up)."""
+  return {"none": None, "per_seed": seed, "shared": 0}[spec.warmup]
+
+
+def warmup_settings(spec, seed: int) -> dict:
+  return dict(config=_config_arg(spec.config, spec.warmup_variant),
+              overrides=dict(spec.overrides, seed=seed, **{"rl.steps": 0}))
+
+
+def run_settings(spec, job: Job) -> dict:
+  """The settings of one RL run; ``init`` names what it starts from (the
+  warm-up's hash, or ``spec.init_from``) and is filled in as a path by
+  ``execute``."""
+  cell = spec.cells[job.cell]
+  overrides = dict(spec.overrides, **cell.get("overrides", {}))
+  overrides.update({spec.arm_key: job.arm, spec.rate_key: job.lr, "seed": job.seed})
+  w = warmup_seed(spec, job.seed)
+  init = config_hash(warmup_settings(spec, w)) if w is not None else spec.init_from
+  if init:
+    overrides["sft.steps"] = 0
+  return dict(config=_config_arg(spec.config, cell.get("variant", "")),
+              overrides=overrides, init=init)
+
+
+class LocalRunner:
+  """Runs as subprocesses, ``parallel`` at a time, each on
+  ``cores // parallel`` threads."""
+
+  def __init__(self, parallel: int = 2):
+    self.threads = max(1, (os.cpu_count() or 2) // max(1, parallel))
+
+  def _run(self, cmd: list[str], log: pathlib.Path) -> None:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_cpu_multi_thread_eigen=false").strip()
+    env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = str(self.threads)
+    with open(log, "w") as f:
+      proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode:
+      raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}; log {log}:\n"
+                         f"{log.read_text()[-3000:]}")
+
+  def warmup(self, settings: dict, workdir: pathlib.Path) -> str:
+    """Train the warm-up and export it; the Hugging Face directory."""
+    export = workdir / "hf"
+    if not (export / "config.json").exists():
+      shutil.rmtree(workdir, ignore_errors=True)
+      workdir.mkdir(parents=True)
+      self._run(command(settings, workdir), workdir / "log.txt")
+      self._run([sys.executable, "-m", "ba_jax.export", f"--workdir={workdir}",
+                 f"--output_dir={export}"], workdir / "export_log.txt")
+    return str(export)
+
+  def train(self, settings: dict, workdir: pathlib.Path) -> dict:
+    """One RL run; its outcomes (``summary.summarise``)."""
+    try:
+      self._run(command(settings, workdir), workdir / "log.txt")
+    except RuntimeError:
+      # A run the non-finite guard stopped still wrote its summary: at a rate
+      # too large for a rule that is a result (a poor one), not a crash.
+      if not (workdir / "summary.json").exists():
+        raise
+    return summary.summarise(workdir)
+
+
+def execute(jobs, spec, runner, store: Store, runs_dir: pathlib.Path, *,
+            parallel: int = 1, row_fields: Callable[[], dict] = dict,
+            log=print) -> dict:
+  """Run every job without a row in ``store``; job -> row. Warm-ups first,
+  each seed's runs as soon as its warm-up is done. ``row_fields()`` is
+  called as each run starts (the protocol record) and stored in its row."""
+  jobs = sorted(set(jobs))
+  settings = {j: run_settings(spec, j) for j in jobs}
+  keys = {j: config_hash(s) for j, s in settings.items()}
+  todo = [j for j in jobs if not store.has(keys[j])]
+  if len(todo) < len(jobs):
+    log(f"{len(jobs) - len(todo)} of {len(jobs)} runs already have rows "
+        f"in {store.path.name}; not rerun")
+
+  def warm(seed):
+    if seed is None:
+      return spec.init_from
+    s = warmup_settings(spec, seed)
+    return runner.warmup(s, runs_dir / f"warmup_s{seed}_{config_hash(s)[:8]}")
+
+  def run(job, init):
+    fields = row_fields()
+    workdir = runs_dir / job.name
+    shutil.rmtree(workdir, ignore_errors=True)  # a run cut short starts again
+    workdir.mkdir(parents=True)
+    s = dict(settings[job])
+    if s["init"]:
+      s["overrides"] = dict(s["overrides"], init_from=init)
+    t0 = time.perf_counter()
+    outcomes = runner.train(s, workdir)
+    row = dict(cell=job.cell, arm=job.arm, lr=job.lr, seed=job.seed,
+               config_hash=keys[job], config=s["config"],
+               overrides={k: v for k, v in s["overrides"].items() if k != "init_from"},
+               init=s["init"], wall_s=round(time.perf_counter() - t0, 1),
+               **fields, **outcomes)
+    store.append(row)
+    log(f"[{time.strftime('%H:%M:%S')}] done {job.name}")
+    return row
+
+  by_seed = {}
+  for j in todo:
+    by_seed.setdefault(warmup_seed(spec, j.seed), []).append(j)
+  with concurrent.futures.ThreadPoolExecutor(max(1, parallel)) as pool:
+    try:
+      warmups = {pool.submit(warm, w): w
+                 for w in sorted(by_seed, key=lambda x: (x is None, x))}
+      futures = []
+      for done in concurrent.futures.as_completed(warmups):
+        init = done.result()
+        futures += [pool.submit(run, j, init) for j in by_seed[warmups[done]]]
+      for f in concurrent.futures.as_completed(futures):
+        f.result()
+    except BaseException:
+      # one failed run stops the study (the runs going on finish, queued
+      # ones do not start); the next call resumes from the rows
+      pool.shutdown(wait=True, cancel_futures=True)
+      raise
+  return {j: store.get(keys[j]) for j in jobs}

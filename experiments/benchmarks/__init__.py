@@ -1,0 +1,1 @@
+"""Benchmarks: each script writes its numbers to ``results/``."""

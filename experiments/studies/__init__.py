@@ -1,0 +1,1 @@
+"""Our studies, one folder each: spec or scripts, README, results."""

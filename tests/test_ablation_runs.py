@@ -1,0 +1,102 @@
+"""How the ablation runner turns a spec into runs (ba_jax.ablation.runner,
+summary), and, slow, one real study of tiny runs end to end."""
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from ba_jax.ablation import protocol, runner, spec as spec_lib, stages, summary
+from ba_jax.ablation.store import config_hash, read_rows
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+BASE = dict(name="x", config="configs/drafts.py", arm_key="loss.aggregation",
+            cells={"pos": {"variant": "gap=pos", "overrides": {"eval.num_problems": 4}}},
+            arms=["token", "balanced"], rate_key="optim.learning_rate", rates=[3e-4],
+            tune_seeds=[], confirm_seeds=[0, 1], overrides={"rl.steps": 20},
+            primary=["reward_auc", "w"], comparisons=[["balanced", "token", "superiority"]],
+            warmup="per_seed", warmup_variant="gap=none")
+
+
+def test_a_job_is_the_spec_plus_cell_arm_rate_and_seed():
+  spec = spec_lib.from_dict(BASE)
+  job = runner.Job(seed=1, cell="pos", arm="balanced", lr=3e-4)
+  s = runner.run_settings(spec, job)
+  assert s["config"] == "configs/drafts.py:gap=pos"
+  assert s["overrides"] == {"rl.steps": 20, "eval.num_problems": 4,
+                            "loss.aggregation": "balanced",
+                            "optim.learning_rate": 3e-4, "seed": 1, "sft.steps": 0}
+  warm = runner.warmup_settings(spec, 1)
+  assert warm == dict(config="configs/drafts.py:gap=none",
+                      overrides={"rl.steps": 0, "seed": 1})
+  assert s["init"] == config_hash(warm)  # the warm-up's hash, not a local path
+  cmd = runner.command(dict(s, overrides=dict(s["overrides"], init_from="/w/hf")),
+                       "/runs/x")
+  assert cmd[1:5] == ["-m", "ba_jax.train", "--config=configs/drafts.py:gap=pos",
+                      "--workdir=/runs/x"]
+  assert "--config.optim.learning_rate=0.0003" in cmd and "--config.init_from=/w/hf" in cmd
+  # every setting is in the key: another seed or arm is another run
+  other = runner.run_settings(spec, runner.Job(seed=0, cell="pos", arm="balanced", lr=3e-4))
+  assert config_hash(other) != config_hash(s)
+  shared = spec_lib.from_dict(dict(BASE, warmup="shared"))
+  assert runner.run_settings(shared, job)["init"] == config_hash(
+      runner.warmup_settings(shared, 0))
+  none = spec_lib.from_dict(dict(BASE, warmup="none", config="configs/tiny.py:smoke",
+                                 cells={"all": {"variant": "gap=-6"}}))
+  s = runner.run_settings(none, runner.Job(0, "all", "token", 3e-4))
+  assert s["config"] == "configs/tiny.py:smoke,gap=-6" and "sft.steps" not in s["overrides"]
+
+
+def test_a_run_stopped_by_the_nonfinite_guard_scores_zero_for_what_is_missing(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text("".join(
+      json.dumps(dict(step=i, reward_mean=0.4)) + "\n" for i in (1, 2, 3)))
+  (tmp_path / "summary.json").write_text(json.dumps(dict(
+      step=3, stopped="nonfinite", before_rl=dict(heldout_acc_sampled=0.2))))
+  (tmp_path / "config.json").write_text(json.dumps(dict(
+      eval=dict(num_problems=4, samples_per_problem=2),
+      rl=dict(prompts_per_step=2, group_size=2, steps=12))))
+  row = summary.summarise(tmp_path)
+  assert row["stopped_nonfinite"] and row["steps"] == 3
+  assert row["reward_auc"] == pytest.approx(0.4 * 3 / 12)
+  assert row["heldout_after"] == 0.0 and row["stability"]["collapsed"]
+
+
+@pytest.mark.slow
+def test_a_study_of_real_tiny_runs_end_to_end(tmp_path, monkeypatch):
+  """Two rules, one rate, two seeds, 1 RL step each, as subprocesses two at
+  a time; the protocol committed in a git repository made here."""
+  for k in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
+    monkeypatch.setenv(k, "t")
+  for k in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
+    monkeypatch.setenv(k, "t@example.invalid")
+  monkeypatch.chdir(tmp_path)
+  protocol.git(["init", "-q"], tmp_path)
+  (tmp_path / "study").mkdir()
+  (tmp_path / "study" / "spec.py").write_text(f'''
+def get_spec():
+  return dict(name="tiny", config={str(ROOT / "configs/tiny.py") + ":smoke"!r},
+              cells={{"all": {{}}}}, arm_key="loss.aggregation",
+              arms=["token", "balanced"], rate_key="optim.learning_rate",
+              rates=[1e-3], tune_seeds=[], confirm_seeds=[0, 1],
+              overrides={{"rl.steps": 1, "sft.steps": 4, "eval.num_problems": 4,
+                          "checkpoint.async_save": False}},
+              primary=["reward_auc", "mean training reward"],
+              comparisons=[["balanced", "token", "superiority"]],
+              results="study/results")
+''')
+  protocol.git(["add", "."], tmp_path)
+  protocol.git(["commit", "-qm", "spec"], tmp_path)
+  spec = spec_lib.load("study/spec.py")
+  stages.run("predict", spec, log=lambda *_: None)
+  protocol.git(["add", "."], tmp_path)
+  protocol.git(["commit", "-qm", "predictions"], tmp_path)
+  stages.run("confirm", spec, parallel=2, log=lambda *_: None)
+  rows = read_rows(tmp_path / "study/results/results.jsonl")
+  assert sorted((r["arm"], r["seed"]) for r in rows) == [
+      ("balanced", 0), ("balanced", 1), ("token", 0), ("token", 1)]
+  assert all(r["steps"] == 1 and r["code_commit"] for r in rows)
+  text = stages.run("report", spec, log=lambda *_: None)
+  assert "## Rates `tuned` (confirmatory)" in text
+  assert (tmp_path / "study/results/curves_tuned_all.png").stat().st_size > 10_000
+  shutil.rmtree(tmp_path / "study/results/runs")
