@@ -7,7 +7,7 @@ and print per-device memory, fit and FLOPs (``ba_jax.scaling``)::
 devices (``pip install -e ".[aot]"``; ``ba_jax.scaling.targets``): a TPU
 topology as libtpu names it (``v5e:8x8``, ``v5p:4x4x4``, ``v6e:8x8``) or a
 GPU mesh (``h100:8x8``), ``--num_slices`` for several TPU slices. A program
-that does not fit is exit status 1 with one line naming it. Without a target,
+that does not fit is exit status 3 (``MISFIT_EXIT``) with one line naming it. Without a target,
 ``--num_cpu_devices=64`` compiles with XLA:CPU on fake devices: an estimate.
 """
 import jax
@@ -15,6 +15,8 @@ import jax
 from ba_jax.scaling import compile as compile_lib
 from ba_jax.scaling import report as report_lib
 from ba_jax.scaling import targets as targets_lib
+
+MISFIT_EXIT = 3  # a program does not fit the target (1 stays Python's own error status)
 
 
 
@@ -75,7 +77,7 @@ def _main():
     misfit = report_lib.misfit_line(report)
     if misfit:
       print(misfit, file=sys.stderr)
-      sys.exit(1)
+      sys.exit(MISFIT_EXIT)
 
   app.run(main)
 

@@ -280,7 +280,7 @@ def test_launch_refuses_a_config_that_does_not_fit(script, tmp_path):
   fake = tmp_path / "fake_python"  # stands in for the dry run: exit 1 and its one line
   fake.write_text("#!/usr/bin/env bash\n"
                   "case \"$*\" in *ba_jax.dry_run*) echo 'dry run: engine does not fit v5e:8x8: "
-                  "it needs 17.9 GiB per chip, the chip has 15.75 GiB' >&2; exit 1;; esac\n"
+                  "it needs 17.9 GiB per chip, the chip has 15.75 GiB' >&2; exit 3;; esac\n"
                   "echo launched\n")
   fake.chmod(0o755)
   env = dict(os.environ, PYTHON=str(fake), CONFIG="configs/tiny.py", WORKDIR=str(tmp_path),

@@ -110,7 +110,7 @@ def test_an_oversized_kv_budget_fails_with_one_line():
          "--config.rl.max_new_tokens=32768", "--config.rl.kv_cache_gib=20",
          "--config.rl.prompts_per_step=64", "--json_out=/dev/null"]
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-  assert out.returncode == 1, out.stderr[-2000:]
+  assert out.returncode == 3, out.stderr[-2000:]
   last = [line for line in out.stderr.splitlines() if line.startswith("dry run:")]
   assert len(last) == 1, out.stderr[-2000:]
   assert "engine does not fit v5e:2x2" in last[0] and "15.75 GiB" in last[0]

@@ -1,8 +1,8 @@
 """Cache-sized buffers in the 7B config's rollout engine as XLA:TPU compiles it.
 
     pip install -e ".[aot]"
-    python experiments/benchmarks/engine_kv_buffers.py --kv_cache_gib=8 \
-        --output=experiments/results/engine_kv_buffers.json
+    python -m experiments.benchmarks.engine_kv_buffers --kv_cache_gib=8 \
+        --output=experiments/benchmarks/results/engine_kv_buffers.json
 
 Compiles the engine of ``configs/qwen25_math_7b_dapo17k.py`` for a v5e-64
 slice (libtpu, compile-only devices) and counts, in the optimized program,

@@ -40,7 +40,7 @@ fit_check() {
   echo "fit check: compiling ${CONFIG} for ${TARGET} (report in ${report}.txt)" >&2
   local status=0
   "${check[@]}" >"${report}.txt" 2>"${report}.err" || status=$?
-  if (( status == 1 )); then
+  if (( status == 3 )); then
     echo "refusing to launch: $(grep '^dry run:' "${report}.err" | tail -n 1)" >&2
     exit 3
   elif (( status != 0 )); then
