@@ -161,3 +161,31 @@ def test_accelerator_check_sets_the_roofline_beside_its_timings():
   line = report_lib.predicted_line(dict(roofline=predicted, train_step=dict(
       step_s=10 * train["seconds"]), decode=dict(decode_step_s=4 * decode["seconds"])))
   assert "measured" in line and "10% of the bound's speed" in line and "25% of" in line
+
+
+def test_the_paper_mesh_lays_out_on_every_target_slice():
+  """fsdp 16 x tensor 4 on a v6e 8x8 torus (no physical axis of 16), and data across slices."""
+  from ba_jax.policy import sharding
+  shape = {"data": -1, "fsdp": 16, "tensor": 4}
+  v6e = sharding.make_mesh(shape, targets_lib.target_devices(targets_lib.parse_target("v6e:8x8")))
+  assert dict(v6e.shape) == {"data": 1, "fsdp": 16, "tensor": 4}
+  two = sharding.make_mesh(shape, targets_lib.target_devices(
+      targets_lib.parse_target("v5e:8x8", num_slices=2)))
+  assert dict(two.shape) == {"data": 2, "fsdp": 16, "tensor": 4}
+  for i in range(2):  # each data index is one slice: only data parallelism crosses the DCN
+    assert {d.slice_index for d in two.devices[i].flat} == {i}
+  with pytest.raises(ValueError, match="multiple of the slices"):
+    sharding.make_mesh({"tensor": 1, "fsdp": -1}, targets_lib.target_devices(
+        targets_lib.parse_target("v5e:8x8", num_slices=2)))
+
+
+def test_splash_hands_a_query_shorter_than_its_tile_to_full_attention():
+  """The one-token call that creates LoRA adapters, traced for a TPU."""
+  import jax
+  import jax.numpy as jnp
+  q, k, v = (jax.random.normal(jax.random.key(i), (2, 1, 4, 16)) for i in range(3))
+  mask = jnp.ones((2, 1), jnp.int32)
+  with compiling.targeting("tpu"):
+    got = attention_lib.attend(q, k[:, :, :2], v[:, :, :2], mask, impl="auto", block=128)
+  want = attention_lib.attend(q, k[:, :, :2], v[:, :, :2], mask, impl="full", block=128)
+  assert jnp.allclose(got, want, atol=1e-6)

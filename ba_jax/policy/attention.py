@@ -180,6 +180,10 @@ def _per_shard(kernel, q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL):
 def attend(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, *, impl: str, block: int):
   """Causal attention of the uncached forward with the kernel `impl` names (see `resolve_impl`)."""
   impl = resolve_impl(impl, head_dim=q_BxLxHxD.shape[-1], dtype=q_BxLxHxD.dtype)
+  if impl == "splash" and q_BxLxHxD.shape[1] < block:
+    # Shorter than one of the kernel's tiles (e.g. the one-token call that creates LoRA
+    # adapters): one small score matrix is the whole computation.
+    impl = "full"
   if impl == "blockwise":
     return blockwise_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxL, block)
   if impl in ("xla", "cudnn"):

@@ -46,7 +46,31 @@ def make_mesh(shape: dict, devices: Sequence[jax.Device] | None = None) -> Mesh:
     raise ValueError(f"mesh shape {shape} resolves to {dict(zip(names, sizes))}, which uses "
                      f"{math.prod(sizes)} devices; {len(devices)} are available")
   axis_types = (jax.sharding.AxisType.Auto,) * len(names)
-  return jax.make_mesh(tuple(sizes), tuple(names), axis_types=axis_types, devices=devices)
+  slices = len({getattr(d, "slice_index", 0) for d in devices})
+  if slices > 1:
+    return _multislice_mesh(names, sizes, devices, slices, axis_types)
+  try:
+    return jax.make_mesh(tuple(sizes), tuple(names), axis_types=axis_types, devices=devices)
+  except NotImplementedError:
+    # A torus whose axes no mesh axis matches (fsdp 16 x tensor 4 on a v6e 8x8 slice): let
+    # a mesh axis span parts of physical axes, as JAX offers for this case.
+    from jax.experimental import mesh_utils  # pylint: disable=import-outside-toplevel
+    grid = mesh_utils.create_device_mesh(tuple(sizes), devices, allow_split_physical_axes=True)
+    return Mesh(grid, tuple(names), axis_types=axis_types)
+
+
+def _multislice_mesh(names, sizes, devices, slices: int, axis_types) -> Mesh:
+  """Several TPU slices: the first axis splits across the slices (over the data-center
+  network, data parallel), every other axis stays inside a slice (ICI)."""
+  from jax.experimental import mesh_utils  # pylint: disable=import-outside-toplevel
+  if sizes[0] % slices:
+    raise ValueError(f"mesh {dict(zip(names, sizes))} over {slices} slices: its first axis "
+                     f"({names[0]}={sizes[0]}) must be a multiple of the slices, which it spans")
+  per_slice = [sizes[0] // slices, *sizes[1:]]
+  across = [slices] + [1] * (len(sizes) - 1)
+  grid = mesh_utils.create_hybrid_device_mesh(per_slice, across, devices,
+                                              allow_split_physical_axes=True)
+  return Mesh(grid, tuple(names), axis_types=axis_types)
 
 
 def _rules_dict(rules) -> dict:
