@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train on one host with several GPUs.
 #
-#   CONFIG=configs/qwen3_1p7b_polaris.py:agg=balanced WORKDIR=/runs/qwen3_ba \
+#   CONFIG=configs/qwen3_1p7b_polaris.py:agg=balanced WORKDIR=/runs/qwen3_ba TARGET=h100:1x8 \
 #   INIT_FROM=/models/Qwen3-1.7B TASK_PATH=/data/polaris-53k.jsonl \
 #   experiments/launch/multi_gpu.sh [--config.key=value ...]
 #

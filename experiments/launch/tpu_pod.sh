@@ -3,7 +3,7 @@
 # ba_jax.train calls jax.distributed.initialize() from the TPU environment
 # (BA_JAX_DISTRIBUTED=1), so no coordinator address is passed.
 #
-#   TPU_NAME=<pod name> ZONE=<zone> \
+#   TPU_NAME=<pod name> ZONE=<zone> TARGET=v5e:8x8 \
 #   CONFIG=configs/qwen25_math_7b_dapo17k.py:agg=balanced \
 #   WORKDIR=gs://<bucket>/runs/qwen25_7b_balanced \
 #   INIT_FROM=/mnt/models/Qwen2.5-Math-7B TASK_PATH=/mnt/data/dapo-math-17k \
