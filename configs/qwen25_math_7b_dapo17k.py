@@ -61,13 +61,12 @@ def get_config(arg=None):
   # Rollouts through the continuous-batching engine with 11 GiB of KV cache
   # per device: 201 slots per device (56 MiB each: 4095 positions x 28
   # layers x 1 of 4 kv heads on the tensor axis x 128 x 2 bytes x k and v),
-  # 3216 on the 16 batch shards of the 64-chip mesh. Derived from
-  # `python -m ba_jax.dry_run --config=<this file> --num_cpu_devices=64
-  # --notrain --config.rl.kv_cache_gib=10`: the engine's estimated peak
-  # less its cache is 1.69 GiB per device and the trainer keeps 0.89 GiB of
-  # AdamW moments resident, so 11 GiB (rounded down to 0.5 GiB) leaves 2 GiB
-  # of a v5e chip's 16 free; experiments/benchmarks/results/dry_run.md has the report
-  # at this default. Larger slices fit more (the dry run says how many).
+  # 3216 on the 16 batch shards of the 64-chip mesh. Set from the TPU
+  # compiler's verdict (`python -m ba_jax.dry_run --config=<this file>
+  # --target=v5e:8x8`): the engine plus the trainer's resident AdamW moments
+  # use 14.84 of a v5e chip's 15.75 GiB (5.8% free; 203 slots is the most
+  # that keeps 5%), and larger chips fit it with room to spare
+  # (docs/scaling.md has the table for v5e, v6e, v5p and H100).
   c.rl.kv_cache_gib = 11.0
   if args.get("runlocal"):
     common.runlocal(c)
