@@ -53,6 +53,19 @@ def test_quick_comparison_writes_both_trainers_numbers(tmp_path, monkeypatch):
   assert cell["runs"]["trl"]["prompts_checked"] == 2 * 4
   assert cell["runs"]["trl"]["prompt_order_ok"]
   assert results["train"]["meta"]["host"]["matmul_gflops"]["jax"] > 0
+  # Both sides' threads per phase, as each library reported them in the run;
+  # TRL timed at 1 and at every schedulable CPU, the faster whole run kept.
+  from experiments.studies.compare_trl import compare_trl_runs as runs  # pylint: disable=import-outside-toplevel
+  cpus = runs.schedulable_cores()
+  assert cell["runs"]["ba_jax"]["threads"] == {"generation": runs.xla_threads(),
+                                               "update": runs.xla_threads()}
+  tried = cell["trl_tried"]
+  assert sorted(t["threads"]["update"] for t in tried) == sorted({1, cpus})
+  assert all(t["threads"]["generation"] == t["threads"]["update"] for t in tried)
+  best = min(tried, key=lambda t: t["run_seconds"])
+  assert cell["runs"]["trl"]["threads"] == best["threads"]
+  assert cell["runs"]["trl"]["run_seconds"] == pytest.approx(best["run_seconds"], rel=1e-4)
+  assert cell["runs"]["ba_jax"]["cache"] == "cold"
   text = out.read_text()
   assert "| token | 0 | ba_jax |" in text and "| token | trl | 0 |" in text
   assert out.with_suffix(".png").stat().st_size > 10_000

@@ -36,12 +36,24 @@ part's padding line in the results says which).
 Part 2 ("real", ``--real_config``): the first ``--real_steps`` steps of that
 config in both trainers (no held-out evaluation): seconds per step, ratio.
 
-``--protocol=FILE`` reads part 1's pre-stated criteria (any of ``seeds``,
-``losses``, ``steps``, ``margin``, ``plan_sd``, ``speed_ratio``,
-``speed_plan_sd``; a JSON object) from a file that must be committed and
+``--protocol=FILE`` reads part 1's pre-stated criteria and arm (any of
+``seeds``, ``losses``, ``steps``, ``margin``, ``plan_sd``, ``speed_ratio``,
+``speed_plan_sd``, ``torch_threads``, ``cores``, ``warm_cache``; a JSON
+object; protocols/ holds the committed ones) from a file that must be committed and
 unchanged at HEAD, on a clean tree (``--allow_dirty`` lets a dirty one
 through and the results say so): ``ba_jax.ablation.protocol.guard``. Every
 run record then names the protocol's and the code's commit.
+
+Equal hardware: both trainers run in this one process on the same CPUs
+(``--cores=N`` refuses to start unless the process may use exactly N: the
+one-core arm is ``taskset -c 0 ... --cores=1``). XLA uses its default, one
+thread per schedulable CPU (or as ``XLA_FLAGS`` says); each TRL run is timed
+at 1 torch thread and at every schedulable CPU and the faster whole run is
+the pair's TRL run (``--torch_threads=N``: N only). Every run record holds
+its side's threads per phase (generation, update) and its compilation-cache
+state; the results file states whether the two sides' threads differed, and
+each library's float32 matmul rate measured at the start, with a note beside
+the ratio when they differ by more than 1.3x.
 
 Results: ``--out`` (markdown; raw numbers in the .json next to it, merged
 across invocations so the parts can run separately) and the curves' PNG.
@@ -63,8 +75,9 @@ import time
 from ba_jax.ablation import protocol as protocol_lib
 from experiments.studies.compare_trl import compare_trl_report as report_lib
 from experiments.studies.compare_trl.compare_trl_runs import (LOSS_TYPES, REPO, Evaluator, cell_config,
-                              load_config, matmul_gflops, pick_torch_threads,
-                              run_ours, run_trl, warm_up)
+                              load_config, matmul_gflops, run_ours, run_trl,
+                              schedulable_cores, torch_thread_counts,
+                              warm_up, xla_threads)
 
 RESULTS = REPO / "experiments" / "studies" / "compare_trl" / "results"
 
@@ -82,7 +95,35 @@ def _save(path: pathlib.Path, record: dict) -> dict:
 
 
 PROTOCOL_KEYS = ("seeds", "losses", "steps", "margin", "plan_sd", "speed_ratio",
-                 "speed_plan_sd")
+                 "speed_plan_sd", "torch_threads", "cores", "warm_cache")
+
+
+def check_cores(cores: int) -> None:
+  """``--cores=N``: refuse unless this process may run on exactly N CPUs
+  (both trainers then share them; ``taskset -c 0`` for one)."""
+  if cores and schedulable_cores() != cores:
+    cpus = "0" if cores == 1 else f"0-{cores - 1}"
+    raise ValueError(f"--cores={cores}: this process may run on {schedulable_cores()} "
+                     f"CPU(s); start it under `taskset -c {cpus}` (or pass --cores=0)")
+
+
+def trl_best(config, workdir: pathlib.Path, counts: list[int], log, label: str,
+             **kwargs) -> tuple[dict, list[dict]]:
+  """TRL's run at each torch thread count of ``counts``; the faster whole
+  run is the pair's TRL run (its final weights kept), and every try's
+  threads and seconds are returned beside it."""
+  tried = []
+  for n in counts:
+    log(f"{label} trl: torch threads {n}")
+    tried.append(run_trl(config, workdir.with_name(f"{workdir.name}_t{n}"),
+                         threads=n, **kwargs))
+    log(f"{label} trl, {n} thread(s): {tried[-1]['run_seconds']:.1f} s")
+  best = min(tried, key=lambda r: r["run_seconds"])
+  for run in tried:
+    if run is not best and "final_dir" in run:
+      shutil.rmtree(run.pop("final_dir"), ignore_errors=True)
+  return best, [dict(threads=r["threads"], run_seconds=r["run_seconds"],
+                     rl_seconds=r["rl_seconds"]) for r in tried]
 
 
 def apply_protocol(args, defaults: dict) -> dict:
@@ -116,8 +157,9 @@ def part_train(args, log, stamp: dict | None = None) -> dict:
   warm = warm_up(base, work / f"warm_{_slug(args.config)}", log)
   log(f"start policy: {warm['dir']} (warm-up {warm['seconds']:.0f} s"
       f"{', reused' if warm['reused'] else ''})")
-  threads = pick_torch_threads(warm["dir"], args.torch_threads)
-  log(f"torch threads for TRL: {threads}")
+  counts = torch_thread_counts(args.torch_threads)
+  threads = dict(torch_candidates=counts, xla=xla_threads(), cores=schedulable_cores())
+  log(f"threads: {threads}")
   cells, index = {}, 0
   for seed in args.seeds:
     before = None
@@ -143,16 +185,19 @@ def part_train(args, log, stamp: dict | None = None) -> dict:
       # Alternate who goes first, so that a drift of the shared host's speed
       # does not always favour the same trainer.
       order = ["ba_jax", "trl"] if index % 2 == 0 else ["trl", "ba_jax"]
-      runs = {}
+      runs, tried = {}, []
       for name in order:
         log(f"[{loss} seed {seed}] {name}: {steps} RL steps")
         if name == "ba_jax":
           runs[name] = run_ours(config, work / "runs" / f"ours_{loss}_s{seed}",
-                                evaluate=True)
+                                evaluate=True,
+                                cache="warm" if args.warm_cache else "cold")
         else:
-          runs[name] = run_trl(config, work / "runs" / f"trl_{loss}_s{seed}",
-                               start_dir=warm["dir"], evaluator=evaluator,
-                               eval_every=config.eval.every)
+          runs[name], tried = trl_best(
+              config, work / "runs" / f"trl_{loss}_s{seed}",
+              counts if index % 2 == 0 else counts[::-1], log,
+              f"[{loss} seed {seed}]", start_dir=warm["dir"], evaluator=evaluator,
+              eval_every=config.eval.every)
         log(f"[{loss} seed {seed}] {name}: {runs[name]['run_seconds']:.1f} s"
             f" (RL steps {runs[name]['rl_seconds']:.1f} s)")
       final = {name: evaluator(runs[name]["final_dir"]) for name in runs}
@@ -163,7 +208,7 @@ def part_train(args, log, stamp: dict | None = None) -> dict:
           for n, a in final.items()) + " (sampled/greedy)")
       cells[f"{loss}/{seed}"] = _save(record_file, dict(
           loss=loss, trl_loss=LOSS_TYPES[loss], seed=seed, order=order,
-          before=before, final=final, runs=runs,
+          before=before, final=final, runs=runs, trl_tried=tried,
           **{k: stamp[k] for k in ("code_commit", "protocol_commit", "dirty")
              if stamp}))
       index += 1
@@ -173,7 +218,7 @@ def part_train(args, log, stamp: dict | None = None) -> dict:
               settings=_settings(cell_config(
                   base, seed=args.seeds[0], loss=args.losses[0], steps=steps,
                   init_from=warm["dir"], eval_every=args.eval_every)),
-              cells=cells, note=args.note, torch_threads=threads,
+              cells=cells, note=args.note, threads=threads, cores_required=args.cores,
               warm_cache=args.warm_cache, margin=args.margin,
               plan_sd=args.plan_sd, speed_ratio=args.speed_ratio,
               speed_plan_sd=args.speed_plan_sd)
@@ -193,27 +238,30 @@ def part_real(args, log) -> dict:
   if record_file.is_file() and not args.fresh:
     log(f"[real] reused {record_file}")
     return json.loads(record_file.read_text())
-  threads = pick_torch_threads(warm["dir"], args.torch_threads)
-  log(f"torch threads for TRL: {threads}")
+  counts = torch_thread_counts(args.torch_threads)
+  threads = dict(torch_candidates=counts, xla=xla_threads(), cores=schedulable_cores())
+  log(f"threads: {threads}")
   if args.warm_cache:
     log("[real] filling the compilation cache: 1 untimed step")
     fill = copy.deepcopy(config)
     fill.stop_after_steps = 1
     run_ours(fill, work / "runs" / "real_fill", evaluate=False)
-  runs = {}
+  runs, tried = {}, []
   for name in ("ba_jax", "trl"):
     log(f"[real] {name}: the first {args.real_steps} steps of "
         f"{args.real_config}")
     if name == "ba_jax":
-      runs[name] = run_ours(config, work / "runs" / "real_ours", evaluate=False)
+      runs[name] = run_ours(config, work / "runs" / "real_ours", evaluate=False,
+                            cache="warm" if args.warm_cache else "cold")
     else:
-      runs[name] = run_trl(config, work / "runs" / "real_trl",
-                           start_dir=warm["dir"], evaluator=None, eval_every=0)
+      runs[name], tried = trl_best(config, work / "runs" / "real_trl", counts, log,
+                                   "[real]", start_dir=warm["dir"], evaluator=None,
+                                   eval_every=0)
     log(f"[real] {name}: {runs[name]['run_seconds']:.1f} s")
   return _save(record_file, dict(
       config=args.real_config, init_from=warm["dir"], steps=args.real_steps,
       loss=loss, trl_loss=LOSS_TYPES[loss], settings=_settings(config),
-      runs=runs, stand_in=args.real_stand_in, torch_threads=threads,
+      runs=runs, trl_tried=tried, stand_in=args.real_stand_in, threads=threads,
       warm_cache=args.warm_cache))
 
 
@@ -264,7 +312,8 @@ def _host(matmul_n: int) -> dict:
     pass
   versions = ", ".join(f"{p} {md.version(p)}" for p in (
       "jax", "flax", "torch", "transformers", "trl"))
-  return dict(cpu=cpu, cores=os.cpu_count(), versions=versions,
+  return dict(cpu=cpu, cores=os.cpu_count(), schedulable=schedulable_cores(),
+              xla_flags=os.environ.get("XLA_FLAGS", ""), versions=versions,
               load_start=os.getloadavg()[0],
               matmul_gflops=matmul_gflops(matmul_n))
 
@@ -320,8 +369,13 @@ def main(argv=None):
   p.add_argument("--workdir", default="/tmp/compare_trl")
   p.add_argument("--out", default="")
   p.add_argument("--torch_threads", type=int, default=0,
-                 help="torch intra-op threads for TRL (0: the faster of 1 "
-                      "and all cores at generating, measured)")
+                 help="torch intra-op threads for TRL (0: each TRL run timed at "
+                      "1 and at every schedulable CPU, the faster whole run "
+                      "taken per pair)")
+  p.add_argument("--cores", type=int, default=0,
+                 help="refuse to run unless this process may use exactly this "
+                      "many CPUs (the one-core arm: `taskset -c 0 ... --cores=1`; "
+                      "0: no check)")
   p.add_argument("--matmul_n", type=int, default=2048,
                  help="size of the floor reference's square matmul")
   p.add_argument("--fresh", action="store_true",
@@ -344,6 +398,8 @@ def main(argv=None):
     raise ValueError(f"--speed_ratio={args.speed_ratio} --speed_plan_sd="
                      f"{args.speed_plan_sd}: expected a ratio > 1 (0: no test) and a "
                      "speed_plan_sd >= 0 only with a ratio")
+  if not args.report_only:
+    check_cores(args.cores)
   if args.quick:
     args.steps, args.seeds, args.losses = 2, [0], ["token"]
     args.eval_every, args.real_steps, args.matmul_n = 1, 2, 1024

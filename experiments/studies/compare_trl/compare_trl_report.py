@@ -7,6 +7,7 @@ import statistics
 from scipy import stats
 
 from ba_jax.ablation import stats as ablation_stats
+from experiments.studies.compare_trl import compare_trl_hardware as hardware
 from experiments.studies.compare_trl.compare_trl_runs import LOSS_TYPES
 
 
@@ -57,10 +58,14 @@ UNMATCHED = [
      "prompts' share at one program per width met); RoPE depends on relative "
      "positions only, so the positions differ by rounding only"),
     ("CPU threads",
-     "XLA's default", "torch intra-op threads: the faster of 1 and all "
-     "cores at `generate`, measured before the runs (see above)",
-     "on this shared host 2 torch threads made transformers' generate many "
-     "times slower than 1; TRL gets its better setting"),
+     "XLA's default (one thread per schedulable CPU) or as `XLA_FLAGS` says, "
+     "recorded per run and phase",
+     "torch intra-op threads: each TRL run timed at 1 and at every "
+     "schedulable CPU, the faster whole run taken (`--torch_threads=N`: N "
+     "only), recorded per run and phase",
+     "the same CPUs for both; the threads line of each part says whether the "
+     "counts used differed (files before per-run records: TRL's count came "
+     "from a `generate` probe and held for its update too)"),
     ("What a step's time includes",
      "`time_step`: prompts, sampling, rewards, advantages, update (the "
      "trainer's own fields); the first step includes XLA compilation; "
@@ -144,7 +149,8 @@ def report_train(part: dict) -> list[str]:
           f"mini-batches per step, beta 0. Held-out: "
           f"{st['heldout']} problems, sampled (T={st['eval_temperature']}, "
           f"{st['samples_per_problem']} each) and greedy."]
-  out += ["", _padding_line(st), "", _threads_line(part.get("torch_threads"))]
+  out += ["", _padding_line(st), ""] + hardware.thread_lines(part) + [
+      "", hardware.cache_line(part)]
   if part["steps"] != part["default_steps"]:
     out += ["", f"**Reduced:** {part['steps']} RL steps for both trainers "
             f"instead of the config's {part['default_steps']}."]
@@ -190,7 +196,7 @@ def report_train(part: dict) -> list[str]:
     overall = tot["trl"] / tot["ba_jax"]
     verdict = "met" if min(ratios) >= 2 else "NOT met"
     out += ["", f"All runs: ba_jax {tot['ba_jax']:.0f} s, TRL "
-            f"{tot['trl']:.0f} s: **{overall:.2f}x**; per pair "
+            f"{tot['trl']:.0f} s: **{overall:.2f}x**.{hardware.floor_note(part)} Per pair "
             f"{min(ratios):.3f}x to {max(ratios):.3f}x. "
             + ("The every-pair rule (2x in each pair; the criterion of runs "
                "before the speed test) is " if part.get("speed_ratio") else
@@ -206,7 +212,7 @@ def report_train(part: dict) -> list[str]:
             f"{_mean([cells[k]['runs']['ba_jax']['steps'][0]['total'] for k in cells]):.1f}"
             f" s, TRL's {_mean([cells[k]['runs']['trl']['steps'][0]['total'] for k in cells]):.2f} s."]
     if part.get("speed_ratio"):
-      out += ["", speed_verdict(ratios, part["speed_ratio"])]
+      out += ["", speed_verdict(ratios, part["speed_ratio"]) + hardware.floor_note(part)]
     first = _mean([cells[k]["runs"]["ba_jax"]["steps"][0]["total"]
                    for k in cells])
     out += ["", f"Bound: TRL's whole run averaged "
@@ -266,17 +272,6 @@ def report_train(part: dict) -> list[str]:
           f"the shared evaluator's on its exported weights in every run: "
           f"{'yes' if same else 'NO'}."]
   return out
-
-
-def _threads_line(threads) -> str:
-  if not threads:
-    return ""
-  probe = threads.get("generate_seconds") or {}
-  measured = ", ".join(f"{n} thread(s) {t:.2f} s" for n, t in probe.items())
-  return (f"TRL ran with torch intra-op threads = {threads['threads']}"
-          + (f" (the faster at a 16-row, 16-token `generate` from the start "
-             f"policy, measured first: {measured})" if measured else "")
-          + "; ba_jax with XLA's default CPU threads.")
 
 
 def _accuracy_verdict(loss, ours, theirs, margin: float = 0.0) -> str:
@@ -383,7 +378,7 @@ def report_real(part: dict) -> list[str]:
             "before it, so its first step traces and lowers its programs and "
             "loads them from the cache, as a repeated run (a resume, another "
             "seed) does.", ""]
-  out += [_threads_line(part.get("torch_threads")), "",
+  out += hardware.thread_lines(part) + ["", hardware.cache_line(part), "",
           "| step | ba_jax (s) | TRL (s) | TRL / ba_jax |", "|---|---|---|---|"]
   for a, b in zip(o["steps"], t["steps"]):
     out.append(f"| {a['step']} | {a['total']:.2f} | {b['total']:.2f} | "
@@ -393,6 +388,7 @@ def report_real(part: dict) -> list[str]:
           f"{steady_t:.2f} | **{steady_t / steady_o:.2f}x** |",
           f"| whole run | {o['run_seconds']:.1f} | {t['run_seconds']:.1f} | "
           f"**{t['run_seconds'] / o['run_seconds']:.2f}x** |", "",
+          hardware.floor_note(part).strip(), "",
           f"The 2x requirement is **"
           f"{'met' if t['run_seconds'] >= 2 * o['run_seconds'] else 'NOT met'}"
           f"** on the whole run and **"
@@ -444,7 +440,7 @@ def report(results: dict, path: pathlib.Path, png: pathlib.Path | None):
         f"{_load(host)}; float32 "
         f"{g['n']}x{g['n']} matmul measured at the start: **{g['jax']:.0f} "
         f"GFLOP/s (JAX), {g['torch']:.0f} GFLOP/s (torch, "
-        f"{g['torch_threads']} threads)**, the floor reference (hosts of this "
+        f"{g['torch_threads']} threads)**, each library's own floor (hosts of this "
         f"kind differ several-fold). Versions: {host['versions']}.", ""]
   train = results.get("train", {})
   lines += protocol_record(train)

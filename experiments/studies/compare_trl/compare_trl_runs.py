@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 import time
 
@@ -72,44 +73,53 @@ def _best_seconds(fn, repeats: int) -> float:
   return best
 
 
+def schedulable_cores() -> int:
+  """The CPUs this process may run on (``taskset`` narrows them)."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+      os.cpu_count() or 1)
+
+
+def xla_threads() -> int:
+  """XLA:CPU's intra-op threads in this process: 1 with
+  ``--xla_cpu_multi_thread_eigen=false`` in ``XLA_FLAGS``, the value of
+  ``intra_op_parallelism_threads=N`` when given, else its default, one
+  Eigen thread per schedulable CPU."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_cpu_multi_thread_eigen=false" in flags:
+    return 1
+  found = re.search(r"intra_op_parallelism_threads=(\d+)", flags)
+  return int(found.group(1)) if found else schedulable_cores()
+
+
+def torch_thread_counts(requested: int) -> list[int]:
+  """The torch intra-op thread counts each TRL run of a pair is timed at:
+  ``[requested]``, or (0) 1 and every schedulable CPU (XLA's count); the
+  faster whole run is the pair's TRL run."""
+  if requested < 0:
+    raise ValueError(f"--torch_threads={requested}: expected >= 0 (0: 1 and all cores)")
+  return [requested] if requested else sorted({1, schedulable_cores()})
+
+
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> dict:
-  """Best float32 ``n x n`` matmul rate, JAX (jitted) and torch: the host's
-  floor reference (CPU hosts of one kind differ in it several-fold)."""
+  """Best float32 ``n x n`` matmul rate of each library on this host at
+  its run's thread count (JAX jitted, XLA's threads; torch at every
+  schedulable CPU): each library's own floor (CPU hosts of one kind differ
+  several-fold, and torch's MKL and XLA's Eigen differ on some CPUs)."""
   import torch
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
   f = jax.jit(lambda x: x @ x)
   ta = torch.randn(n, n)
+  before = torch.get_num_threads()
+  torch.set_num_threads(schedulable_cores())
   flop = 2 * n**3 / 1e9
-  return {
-      "jax": flop / _best_seconds(lambda: f(a).block_until_ready(), repeats),
-      "torch": flop / _best_seconds(lambda: torch.mm(ta, ta), repeats),
-      "torch_threads": torch.get_num_threads(), "n": n}
-
-
-def pick_torch_threads(start_dir: str, requested: int) -> dict:
-  """torch's intra-op threads for TRL: ``requested``, or (0) whichever of 1
-  and all cores generates faster from ``start_dir`` here. On a shared,
-  oversubscribed 2-core host, 2 threads made transformers' ``generate`` of
-  a tiny model 30-100x slower than 1 (OpenMP threads waiting at barriers for
-  a descheduled peer), so TRL gets its better setting, measured."""
-  import torch
-  from transformers import AutoModelForCausalLM
-  if requested:
-    torch.set_num_threads(requested)
-    return {"threads": requested, "generate_seconds": {}}
-  model = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
-  vocab = model.config.vocab_size
-  ids = torch.randint(4, vocab, (16, 16), generator=torch.Generator().manual_seed(0))
-  kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                min_new_tokens=16, do_sample=True, top_k=0, pad_token_id=0)
-  seconds = {}
-  for n in sorted({1, os.cpu_count() or 1}):
-    torch.set_num_threads(n)
-    with torch.no_grad():
-      seconds[n] = _best_seconds(lambda: model.generate(ids, **kwargs), 2)
-  best = min(seconds, key=seconds.get)
-  torch.set_num_threads(best)
-  return {"threads": best, "generate_seconds": seconds}
+  try:
+    return {
+        "jax": flop / _best_seconds(lambda: f(a).block_until_ready(), repeats),
+        "torch": flop / _best_seconds(lambda: torch.mm(ta, ta), repeats),
+        "torch_threads": torch.get_num_threads(), "jax_threads": xla_threads(),
+        "n": n}
+  finally:
+    torch.set_num_threads(before)
 
 
 # --------------------------------------------------------------------------
@@ -220,9 +230,12 @@ def _read_jsonl(path: pathlib.Path) -> list[dict]:
 # One run of each trainer.
 
 
-def run_ours(config, workdir: pathlib.Path, *, evaluate: bool) -> dict:
+def run_ours(config, workdir: pathlib.Path, *, evaluate: bool,
+             cache: str = "cold") -> dict:
   """ba_jax's GRPO through ``trainer.run`` (compile included: the JAX caches
-  are cleared first, as in a fresh process)."""
+  are cleared first, as in a fresh process). ``cache``: the persistent
+  compilation cache's state, recorded ("cold", or "warm" when the caller
+  filled ``compilation_cache_dir`` first)."""
   shutil.rmtree(workdir, ignore_errors=True)
   jax.clear_caches()
   with _timed_evaluate(skip=not evaluate, skip_first=True) as eval_seconds:
@@ -239,7 +252,10 @@ def run_ours(config, workdir: pathlib.Path, *, evaluate: bool) -> dict:
                       other=other, total=r["time_step"],
                       reward=r["reward_mean"], accuracy=r["accuracy"],
                       length=r["length_mean"]))
+  xla = xla_threads()
   out = dict(trainer="ba_jax", steps=steps, wall=wall,
+             threads={"generation": xla, "update": xla}, cores=schedulable_cores(),
+             cache=cache,
              eval_seconds=eval_seconds[0], run_seconds=wall - eval_seconds[0],
              rl_seconds=sum(s["total"] for s in steps),
              curve=[{k: v for k, v in r.items()}
@@ -319,17 +335,24 @@ def trl_args(config, workdir: pathlib.Path) -> dict:
       disable_tqdm=True, model_init_kwargs={"dtype": "float32"})
 
 
+def _one_or_all(seen: set) -> int | list[int]:
+  return next(iter(seen)) if len(seen) == 1 else sorted(seen)
+
+
 def run_trl(config, workdir: pathlib.Path, *, start_dir: str,
-            evaluator: Evaluator | None, eval_every: int) -> dict:
+            evaluator: Evaluator | None, eval_every: int, threads: int) -> dict:
   """TRL's GRPOTrainer from ``start_dir`` on the config's prompts and
-  reward. Its held-out curve (every ``eval_every`` RL steps, by
-  ``evaluator``) is taken out of the timings."""
+  reward, torch on ``threads`` intra-op threads (recorded per phase as
+  torch reports them during the run). Its held-out curve (every
+  ``eval_every`` RL steps, by ``evaluator``) is taken out of the timings."""
   import torch
   from datasets import Dataset
   from transformers import AutoTokenizer, TrainerCallback
   from trl import GRPOConfig, GRPOTrainer
 
   shutil.rmtree(workdir, ignore_errors=True)
+  torch.set_num_threads(threads)
+  seen = {"generation": set(), "update": set()}
   torch.manual_seed(config.seed)
   rl = config.rl
   cfg = schema.parse(config)
@@ -350,6 +373,8 @@ def run_trl(config, workdir: pathlib.Path, *, start_dir: str,
 
   def timed(name, fn):
     def wrapper(*args, **kwargs):
+      if name in seen:
+        seen[name].add(torch.get_num_threads())
       start = time.perf_counter()
       try:
         return fn(*args, **kwargs)
@@ -367,7 +392,11 @@ def run_trl(config, workdir: pathlib.Path, *, start_dir: str,
     def on_train_begin(self, args, state, control, **kwargs):
       self.t0, self.c0 = time.perf_counter(), dict(clock)
 
+    def on_step_begin(self, args, state, control, **kwargs):
+      seen["update"].add(torch.get_num_threads())
+
     def on_step_end(self, args, state, control, model=None, **kwargs):
+      seen["update"].add(torch.get_num_threads())
       if state.global_step % per_rl_step:
         return
       now = time.perf_counter()
@@ -416,6 +445,9 @@ def run_trl(config, workdir: pathlib.Path, *, start_dir: str,
   grpo.train()
   wall = time.perf_counter() - start
   out = dict(trainer="trl", steps=steps, wall=wall,
+             threads={k: _one_or_all(v) for k, v in seen.items()},
+             cores=schedulable_cores(),
+             cache="none (eager PyTorch: nothing compiled, no warm start)",
              eval_seconds=eval_seconds[0], run_seconds=wall - eval_seconds[0],
              rl_seconds=sum(s["total"] for s in steps), curve=curve,
              prompts_checked=len(texts),
