@@ -70,7 +70,7 @@ from ba_jax.run import trainer
 TPU_HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
 ESTIMATE_NOTE = ("memory is XLA:CPU's buffer assignment for these programs: "
                  "an estimate of an accelerator's, not a measurement on one")
-MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
+MEMORY_FIELDS = targets_lib.MEMORY_FIELDS
 # LLVM's optimisation level changes neither XLA's buffer assignment (memory)
 # nor its HLO (FLOPs); lowering it halves the CPU compile time.
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
@@ -79,27 +79,12 @@ CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
 
 
 
-def _memory(compiled) -> dict:
-  m = compiled.memory_analysis()
-  out = {f: int(getattr(m, f"{f}_size_in_bytes", 0) or 0)
-         for f in MEMORY_FIELDS}
-  out["peak"] = (out["argument"] + out["output"] - out["alias"] + out["temp"]
-                 + out["generated_code"])
-  return out
-
-
-def _flops(compiled) -> float:
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # older jax: one dict per program
-    cost = cost[0] if cost else {}
-  return float((cost or {}).get("flops", float("nan")))
-
-
 def _compile(lowered, platform: str) -> dict:
   t0 = time.perf_counter()
   compiled = lowered.compile(
       compiler_options=CPU_COMPILER_OPTIONS if platform == "cpu" else None)
-  return dict(memory=_memory(compiled), flops_per_device=_flops(compiled),
+  return dict(memory=targets_lib.memory_of(compiled),
+              flops_per_device=targets_lib.cost_of(compiled).get("flops", float("nan")),
               compile_s=round(time.perf_counter() - t0, 1))
 
 

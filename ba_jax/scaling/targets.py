@@ -184,6 +184,27 @@ def kernel_calls(hlo_text: str) -> dict:
   return counts
 
 
+MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
+
+
+def memory_of(compiled) -> dict:
+  """Bytes per device of a compiled program, by field, and its ``peak``: arguments + outputs -
+  aliased (donated) + temporaries + generated code."""
+  m = compiled.memory_analysis()
+  out = {f: int(getattr(m, f"{f}_size_in_bytes", 0) or 0) for f in MEMORY_FIELDS}
+  out["peak"] = (out["argument"] + out["output"] - out["alias"] + out["temp"]
+                 + out["generated_code"])
+  return out
+
+
+def cost_of(compiled) -> dict:
+  """The compiler's cost analysis ({} where it gives none, as XLA:GPU does)."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+    cost = cost[0] if cost else {}
+  return dict(cost or {})
+
+
 def compile_on_target(lowered, capacity: int) -> dict:
   """Compiles ``lowered`` with its devices' compiler: memory, the compiler's
   fit verdict against ``capacity``, compile seconds, kernels and the
@@ -200,15 +221,8 @@ def compile_on_target(lowered, capacity: int) -> dict:
                 capacity_bytes=parsed["available"], refusal=str(e).splitlines()[0][:300],
                 compile_s=round(time.perf_counter() - t0, 1))
   seconds = round(time.perf_counter() - t0, 1)
-  m = compiled.memory_analysis()
-  memory = {f: int(getattr(m, f"{f}_size_in_bytes", 0) or 0)
-            for f in ("argument", "output", "alias", "temp", "generated_code")}
-  memory["peak"] = (memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
-                    + memory["generated_code"])
-  cost = compiled.cost_analysis() or {}
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else {}
-  return dict(fits=True, compiler_refused=False, memory=memory, capacity_bytes=capacity,
+  cost = cost_of(compiled)
+  return dict(fits=True, compiler_refused=False, memory=memory_of(compiled), capacity_bytes=capacity,
               compile_s=seconds, kernels=kernel_calls(compiled.as_text()),
               flops_per_device=float(cost.get("flops", float("nan"))),
               bytes_accessed_per_device=float(cost.get("bytes accessed", float("nan"))))
