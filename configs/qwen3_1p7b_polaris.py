@@ -67,14 +67,13 @@ def get_config(arg=None):
   # Rollouts through the continuous-batching engine with 12.5 GiB of KV
   # cache per device: 20 slots per device (616 MiB each: 22527 positions x
   # 28 layers x 2 of 8 kv heads on the tensor axis x 128 x 2 bytes x k and
-  # v), 320 on the 16 batch shards of the 64-chip mesh. Derived from
-  # `python -m ba_jax.dry_run --config=<this file> --num_cpu_devices=64
-  # --notrain --config.rl.kv_cache_gib=10`: the engine's estimated peak
-  # less its cache is 0.98 GiB per device and the trainer keeps 0.2 GiB of
-  # AdamW moments resident, so 12.5 GiB (rounded down to 0.5 GiB) leaves
-  # 2 GiB of a v5e chip's 16 free; experiments/benchmarks/results/dry_run.md has the
-  # report at this default. Larger slices fit more (the dry run says how
-  # many).
+  # v), 320 on the 16 batch shards of the 64-chip mesh. Set from the TPU
+  # compiler's verdict (`python -m ba_jax.dry_run --config=<this file>
+  # --target=v5e:8x8`): the engine plus the trainer's resident AdamW moments
+  # use 13.99 GiB (LoRA: 14.33) of a v5e chip's 15.75, 11% (9%) free. A 21st
+  # slot (`--config.rl.kv_cache_gib=12.75`) also compiles, with 7% free in
+  # both; 20 leaves room for the decode step's own buffers. Larger chips fit
+  # it with room to spare (docs/scaling.md has the table).
   c.rl.kv_cache_gib = 12.5
   if args.get("runlocal"):
     common.runlocal(c)

@@ -24,7 +24,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = (("7B", "configs/qwen25_math_7b_dapo17k.py"), ("1.7B", "configs/qwen3_1p7b_polaris.py"))
 VARIANTS = (("full", ""), ("lora", ":lora"))
 TARGETS = (("v5e:8x8", 1), ("h100:8x8", 1), ("v6e:8x8", 1), ("v5p:4x4x4", 1))
-EXTRA = (("7B", "configs/qwen25_math_7b_dapo17k.py", "full", "", "v5e:8x8", 2),)
+# Two slices double the data axis, so a micro-batch must hold 32 rows (data 2 x fsdp 16).
+EXTRA = (("7B", "configs/qwen25_math_7b_dapo17k.py", "full", "", "v5e:8x8", 2,
+          ("--config.rl.num_microbatches=16",)),)
 
 
 def combos():
@@ -32,7 +34,7 @@ def combos():
   for target, slices in TARGETS:
     for name, path in CONFIGS:
       for variant, suffix in VARIANTS:
-        yield name, path, variant, suffix, target, slices
+        yield name, path, variant, suffix, target, slices, ()
   yield from EXTRA
 
 
@@ -41,12 +43,12 @@ def stem(name, variant, target, slices) -> str:
   return f"{name}_{variant}_{t}"
 
 
-def run(out_dir: pathlib.Path, name, path, variant, suffix, target, slices) -> None:
+def run(out_dir: pathlib.Path, name, path, variant, suffix, target, slices, flags=()) -> None:
   json_path = out_dir / f"{stem(name, variant, target, slices)}.json"
   if json_path.exists():
     return
   cmd = [sys.executable, "-m", "ba_jax.dry_run", f"--config={path}{suffix}", f"--target={target}",
-         f"--num_slices={slices}", f"--json_out={json_path}.partial"]
+         f"--num_slices={slices}", *flags, f"--json_out={json_path}.partial"]
   start = time.perf_counter()
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
   wall = time.perf_counter() - start
@@ -73,14 +75,23 @@ def _gib(n: float) -> str:
 def table(out_dir: pathlib.Path) -> str:
   from ba_jax.scaling import report as report_lib  # noqa: PLC0415
   rows, roof = [], []
-  for name, path, variant, suffix, target, slices in combos():
+  for name, path, variant, suffix, target, slices, flags in combos():
     json_path = out_dir / f"{stem(name, variant, target, slices)}.json"
+    error_path = out_dir / f"{stem(name, variant, target, slices)}.error.txt"
     if not json_path.exists():
-      continue
+      if error_path.exists():  # the compile itself failed: say how, not a verdict
+        status = error_path.read_text().splitlines()[1]
+        rows.append(f"| {name} {variant} | {target} | (the whole dry run) | - | - | - | - | **not compiled: the "
+                    f"dry run ended with {status}** ([log]({error_path.name})) | - | - |")
+      # A rerun of the train step alone (--nosample), where one was made.
+      json_path = out_dir / f"{stem(name, variant, target, slices)}_nosample.json"
+      if not json_path.exists():
+        continue
     r = json.loads(json_path.read_text())
     t = r["target"]
     verdicts = report_lib.program_verdicts(r)
-    where = target + (f" x {slices} slices" if slices > 1 else "")
+    where = target + (f" x {slices} slices" if slices > 1 else "") + "".join(
+        f" `{flag}`" for flag in flags)
     for program, v in verdicts.items():
       p = r[program]
       memory = ("refused: " + _gib(p["needed_bytes"]) + " GiB asked" if p["compiler_refused"]
@@ -108,7 +119,8 @@ def table(out_dir: pathlib.Path) -> str:
           " aliased + temporaries + code; on TPU the temporaries are an upper bound of the"
           " compiler's own figure), plus, for the engine, the optimizer state the trainer keeps"
           " resident while it samples. Capacity is what the compiler lets a program use (libtpu's"
-          " figure on TPU; the target description's memory on GPU). A fit leaves 5% of it free.", "",
+          " figure on TPU; the target description's memory on GPU). A fit leaves 5% of it free."
+          " Compile seconds were taken on a 2-core host, often with other work running.", "",
           "| config | target | program | compiler | GiB per chip | capacity GiB | headroom | verdict"
           " | compile s | kernels |", "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
           "## Roofline (an upper bound on speed, not a measurement)", "",
@@ -126,12 +138,13 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--output_dir", required=True)
   parser.add_argument("--only", default="", help="run only combinations whose file stem contains this")
+  parser.add_argument("--table_only", action="store_true", help="compile nothing: rewrite README.md")
   args = parser.parse_args()
   out_dir = pathlib.Path(args.output_dir).resolve()
   out_dir.mkdir(parents=True, exist_ok=True)
   for combo in combos():
-    name, _, variant, _, target, slices = combo
-    if args.only in stem(name, variant, target, slices):
+    name, _, variant, _, target, slices, _ = combo
+    if args.only in stem(name, variant, target, slices) and not args.table_only:
       run(out_dir, *combo)
   (out_dir / "README.md").write_text(table(out_dir))
 
