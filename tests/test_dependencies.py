@@ -158,6 +158,18 @@ def _check(setup_cfg_text: str) -> list[str]:
                        + scripts, any_extra, local))
 
 
+def test_no_requirement_is_listed_twice():
+  """A duplicate would hide a removal from the test below (the other line still declares it)."""
+  parser = configparser.ConfigParser()
+  parser.read_string(SETUP_CFG.read_text())
+  blocks = {"install_requires": parser.get("options", "install_requires")}
+  blocks.update(parser.items("options.extras_require"))
+  for group, block in blocks.items():
+    names = [name for line in block.splitlines() for name in _requirement_names(line)]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"setup.cfg lists {twice} more than once in {group}"
+
+
 def test_every_imported_module_is_declared():
   problems = _check(SETUP_CFG.read_text())
   assert not problems, "\n".join(problems)
