@@ -12,7 +12,9 @@ behind a zero or a one.
 """
 from __future__ import annotations
 
+import contextlib
 import pathlib
+import random
 
 import numpy as np
 
@@ -125,3 +127,15 @@ def torch_logits(hf_model, ids, mask):
   with torch.no_grad():
     out = hf_model(input_ids=ids_t, attention_mask=mask_t, position_ids=positions)
   return out.logits.float().numpy()
+
+
+@contextlib.contextmanager
+def global_rng_kept():
+  """Restores Python's, numpy's and torch's global RNGs on exit (TRL's GRPOTrainer seeds them;
+  other tests keep theirs)."""
+  import torch
+  states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+  try:
+    yield
+  finally:
+    random.setstate(states[0]), np.random.set_state(states[1]), torch.set_rng_state(states[2])

@@ -28,12 +28,10 @@ Each TRL cell must match its mapped cell and no other of ours (every
 surrogate x rule x correction, loss and gradient), so a swapped mapping
 fails.
 """
-import contextlib
 import copy
 import inspect
 import itertools
 import math
-import random
 import textwrap
 
 import jax
@@ -43,7 +41,7 @@ import pytest
 import torch
 
 from ba_jax.loss import losses
-from model_utils import make_hf_model, make_tokenizer
+from model_utils import global_rng_kept, make_hf_model, make_tokenizer
 
 G = 4
 LENGTHS = [3, 10, 6, 0, 8, 2, 10, 5, 4, 7, 1, 9]
@@ -99,16 +97,6 @@ def _data():
   return logp, old, sampler, mask, adv
 
 
-@contextlib.contextmanager
-def _global_rng_kept():
-  """GRPOTrainer seeds Python's, numpy's and torch's global RNGs; other tests keep theirs."""
-  states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-  try:
-    yield
-  finally:
-    random.setstate(states[0]), np.random.set_state(states[1]), torch.set_rng_state(states[2])
-
-
 def _is_ratio_code() -> str:
   """TRL's block that turns the trainer's and vLLM's log-probs into the
   importance-sampling ratio, from `_generate_and_score_completions`."""
@@ -133,7 +121,7 @@ def trl(tmp_path_factory):
                     steps_per_generation=1, max_completion_length=MAX_COMPLETION_LENGTH,
                     epsilon=EPS_LOW, epsilon_high=EPS_HIGH, beta=0.0,
                     sapo_temperature_pos=TAU_POS, sapo_temperature_neg=TAU_NEG)
-  with _global_rng_kept():
+  with global_rng_kept():
     trainer = GRPOTrainer(model=copy.deepcopy(make_hf_model("qwen2")), args=args,
                           processing_class=make_tokenizer(),
                           reward_funcs=lambda completions, **_: [0.0] * len(completions),

@@ -55,9 +55,7 @@ Where TRL's definition differs from ours, and what is checked instead:
   over the local micro-batch, is our `token` only without accumulation.)
 """
 
-import contextlib
 import copy
-import random
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +68,7 @@ from ba_jax.loss import advantages as advantages_lib
 from ba_jax.policy import hf
 from ba_jax.loss import losses
 from ba_jax.policy import scoring
-from model_utils import EOS_ID, PAD_ID, make_hf_model, make_tokenizer
+from model_utils import EOS_ID, PAD_ID, global_rng_kept, make_hf_model, make_tokenizer
 
 GROUP_SIZE = 4
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -179,16 +177,6 @@ def _ours(model, config, batch, offsets_NxT):
   return np.asarray(logp), np.asarray(old_logp), results
 
 
-@contextlib.contextmanager
-def _global_rng_kept():
-  """GRPOTrainer seeds Python's, numpy's and torch's global RNGs; other tests keep theirs."""
-  states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-  try:
-    yield
-  finally:
-    random.setstate(states[0]), np.random.set_state(states[1]), torch.set_rng_state(states[2])
-
-
 def _trl(base, loss_type, batch, advantages, old_logp, output_dir):
   """TRL's loss, {parameter name: gradient} and per-token log-probs, from its own trainer code."""
   from datasets import Dataset
@@ -201,7 +189,7 @@ def _trl(base, loss_type, batch, advantages, old_logp, output_dir):
                     steps_per_generation=1,
                     max_completion_length=MAX_COMPLETION_LENGTH, temperature=TEMPERATURE,
                     epsilon=EPS_LOW, epsilon_high=EPS_HIGH, beta=0.0)
-  with _global_rng_kept():  # rewards and prompts are unused: compute_loss gets `inputs` ready-made
+  with global_rng_kept():  # rewards and prompts are unused: compute_loss gets `inputs` ready-made
     trainer = GRPOTrainer(model=copy.deepcopy(base), args=args, processing_class=make_tokenizer(),
                           reward_funcs=lambda completions, **_: [0.0] * len(completions),
                           train_dataset=Dataset.from_dict({"prompt": ["x"] * len(REWARDS)}))
