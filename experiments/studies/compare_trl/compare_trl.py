@@ -37,7 +37,7 @@ Part 2 ("real", ``--real_config``): the first ``--real_steps`` steps of that
 config in both trainers (no held-out evaluation): seconds per step, ratio.
 
 ``--protocol=FILE`` reads part 1's pre-stated criteria and arm (any of
-``seeds``, ``losses``, ``steps``, ``margin``, ``plan_sd``, ``speed_ratio``,
+``config``, ``seeds``, ``losses``, ``steps``, ``margin``, ``plan_sd``, ``speed_ratio``,
 ``speed_plan_sd``, ``torch_threads``, ``cores``, ``warm_cache``; a JSON
 object; protocols/ holds the committed ones) from a file that must be committed and
 unchanged at HEAD, on a clean tree (``--allow_dirty`` lets a dirty one
@@ -94,7 +94,7 @@ def _save(path: pathlib.Path, record: dict) -> dict:
   return record
 
 
-PROTOCOL_KEYS = ("seeds", "losses", "steps", "margin", "plan_sd", "speed_ratio",
+PROTOCOL_KEYS = ("config", "seeds", "losses", "steps", "margin", "plan_sd", "speed_ratio",
                  "speed_plan_sd", "torch_threads", "cores", "warm_cache")
 
 
