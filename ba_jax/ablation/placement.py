@@ -108,12 +108,13 @@ def host_devices(platform: str | None = None, devices: str | None = None,
     found.append(f"XLA_FLAGS device count {len(ids)}" if counts else
                  "no --xla_force_host_platform_device_count in XLA_FLAGS: 1")
   else:
-    listed = listed or probe(env)
+    if listed is None:
+      listed = probe(env)
+      found.append(f"a child process saw {listed['count']} {listed['kind']}")
     if PLATFORMS.get(listed["platform"]) != platform:
       raise ValueError(f"platform {platform}, but a child process found "
                        f"{listed['count']} {listed['platform']} devices; set --devices")
     ids = parse_ids(str(listed["count"]))
-    found.append(f"a child process saw {listed['count']} {listed['kind']}")
   if platform == "tpu" and listed and re.search(r"v[23]\b", listed["kind"]):
     raise ValueError(f"{listed['kind']}: two JAX devices per chip; --placement="
                      "devices counts chips (TPU v4 and later)")
