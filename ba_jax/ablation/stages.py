@@ -230,7 +230,7 @@ def run(stage: str, spec: Spec, outdir=None, *, runner=None, parallel=1,
   if runner is None and stage in ("tune", "confirm", "all"):
     from ba_jax.ablation.runner import LocalRunner
     runner = LocalRunner(parallel)
-  # as many runs at once as the runner has slots (devices groups, slices)
+  # as many runs at once as the runner has slots (device groups, slices)
   parallel = getattr(runner, "parallel", parallel)
   if stage == "plan":
     return plan(spec, outdir, pilot=pilot, log=log)
