@@ -6,14 +6,19 @@ Stages (``--stage``): plan, tune, predict, confirm, report, or all (tune,
 predict, confirm, report). ``confirm`` refuses unless the spec and the
 predictions are committed and unchanged at HEAD and the tree is clean;
 ``--allow_dirty`` lets a dirty tree through and every row and the report say
-so. The logic is ``ba_jax.ablation.stages``.
+so. Where runs go (``--placement``): local processes, ``--parallel`` at a
+time (default); sub-meshes of this host's devices (``devices``,
+``--devices_per_run``); or one launch command per slice (``launcher``,
+``--launcher``, ``--slices``). The logic is ``ba_jax.ablation.stages`` and
+``ba_jax.ablation.placement``.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ba_jax.ablation import protocol, spec as spec_lib, stages
+from ba_jax.ablation import placement, protocol, spec as spec_lib, stages
+from ba_jax.ablation import runner as runner_lib
 
 
 def main(argv=None) -> int:
@@ -23,8 +28,31 @@ def main(argv=None) -> int:
   parser.add_argument("--outdir", default=None,
                       help="where rows, runs and the report go (default: the "
                            "spec's results folder, where its protocol lives)")
+  parser.add_argument("--placement", default="local",
+                      choices=("local", "devices", "launcher"),
+                      help="where runs go: local processes (--parallel), "
+                           "sub-meshes of this host's devices "
+                           "(--devices_per_run), or a launch command per "
+                           "slice (--launcher, --slices); docs/ablations.md")
   parser.add_argument("--parallel", type=int, default=2,
-                      help="local runs at once, each on cores/parallel threads")
+                      help="local: runs at once, each on cores/parallel threads")
+  parser.add_argument("--devices_per_run", type=int, default=None,
+                      help="devices: K devices per run, D/K runs at a time")
+  parser.add_argument("--devices", default=None,
+                      help="devices: this host's devices, a count (8) or ids "
+                           "(0,1,2,3); default read from the environment or "
+                           "listed by a child process")
+  parser.add_argument("--platform", default=None, choices=("cpu", "gpu", "tpu"),
+                      help="devices: default JAX_PLATFORMS, else what a child "
+                           "process finds")
+  parser.add_argument("--launcher", default=None,
+                      help="launcher: a shell command template with {cmd} (or "
+                           "{args}), {slice} and {workdir}")
+  parser.add_argument("--slices", default=None,
+                      help="launcher: slice names, comma separated; one run "
+                           "at a time on each")
+  parser.add_argument("--python", default="python3",
+                      help="launcher: the interpreter {cmd} names on the slices")
   parser.add_argument("--allow_dirty", action="store_true",
                       help="confirm on a tree with uncommitted changes (rows "
                            "and report say so)")
@@ -34,12 +62,24 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   try:
     spec = spec_lib.load(args.spec)
-    stages.run(args.stage, spec, args.outdir, parallel=args.parallel,
-               allow_dirty=args.allow_dirty, pilot=args.pilot)
+    runner = None
+    if args.stage in ("tune", "confirm", "all"):
+      runner = placement.make_runner(
+          args.placement, parallel=args.parallel,
+          devices_per_run=args.devices_per_run, devices=args.devices,
+          platform=args.platform, launcher=args.launcher, slices=args.slices,
+          python=args.python)
+    stages.run(args.stage, spec, args.outdir, runner=runner,
+               parallel=args.parallel, allow_dirty=args.allow_dirty,
+               pilot=args.pilot)
   except (protocol.ProtocolError, stages.StageError, ValueError,
           FileNotFoundError) as e:
     print(f"ba_jax.ablate: {e}", file=sys.stderr)
     return 2
+  except runner_lib.RunFailed as e:
+    print(f"ba_jax.ablate: a run failed; the study stops, and the same command "
+          f"resumes it from the rows: {e}", file=sys.stderr)
+    return 1
   return 0
 
 

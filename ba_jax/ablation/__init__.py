@@ -2,7 +2,9 @@
 config axis) on any config, run by ``python -m ba_jax.ablate``: the study
 spec (``spec``), the git protocol guard (``protocol``, also used by the TRL
 comparison), the result store keyed by config hash (``store``), the local
-runner and a run's row (``runner``, ``summary``), the stages
+runner and a run's row (``runner``, ``summary``), where runs go besides
+local processes (``placement``: sub-meshes of a host's devices, one launch
+per slice), the stages
 plan/tune/predict/confirm/report (``stages``, ``planning``), the named
 comparisons and statistics (``comparisons``, ``stats``), run stability
 (``stability``), the texts and plots (``texts``, ``plots``) and the reader of

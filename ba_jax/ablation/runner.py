@@ -1,5 +1,7 @@
-"""Where runs go: N local runs at once, each a ``python -m ba_jax.train``
-process on its share of the cores, one row stored per finished run.
+"""How a study's runs run: N local runs at once, each a ``python -m
+ba_jax.train`` process on its share of the cores (``LocalRunner``; the other
+placements are ``ba_jax.ablation.placement``), one row stored per finished
+run, naming where it ran (``placement``) and when it started.
 
 A job is (cell, arm, rate, seed). Its settings (the config argument and the
 ``--config.`` overrides) hash to its key in the store, so a study that was
@@ -12,9 +14,11 @@ every seed.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import pathlib
+import queue
 import shutil
 import subprocess
 import sys
@@ -37,7 +41,7 @@ class Job:
     return f"{self.cell}_{self.arm}_lr{self.lr:g}_s{self.seed}"
 
 
-def _flag_value(v) -> str:
+def flag_value(v) -> str:
   return repr(v) if isinstance(v, float) else str(v)
 
 
@@ -45,7 +49,7 @@ def command(settings: dict, workdir) -> list[str]:
   """The ``python -m ba_jax.train`` command line of ``settings``."""
   return [sys.executable, "-m", "ba_jax.train", f"--config={settings['config']}",
           f"--workdir={workdir}"] + [
-              f"--config.{k}={_flag_value(v)}" for k, v in settings["overrides"].items()]
+              f"--config.{k}={flag_value(v)}" for k, v in settings["overrides"].items()]
 
 
 def _config_arg(config: str, variant: str) -> str:
@@ -79,23 +83,64 @@ def run_settings(spec, job: Job) -> dict:
               overrides=overrides, init=init)
 
 
+class RunFailed(RuntimeError):
+  """A run (or its launcher) exited non-zero without a summary: the study
+  stops, and resumes from the rows."""
+
+
 class LocalRunner:
-  """Runs as subprocesses, ``parallel`` at a time, each on
-  ``cores // parallel`` threads."""
+  """Runs as subprocesses on this machine, ``parallel`` at a time, each on
+  ``cores // parallel`` threads. Subclasses (``ba_jax.ablation.placement``)
+  change the slots a run takes (``slots``), its environment (``env``) and
+  how its training process starts (``_train``)."""
 
   def __init__(self, parallel: int = 2):
-    self.threads = max(1, (os.cpu_count() or 2) // max(1, parallel))
+    self.parallel = max(1, parallel)
+    self.threads = max(1, (os.cpu_count() or 2) // self.parallel)
+    self._free = queue.Queue()
+    for slot in self.slots():
+      self._free.put(slot)
 
-  def _run(self, cmd: list[str], log: pathlib.Path) -> None:
+  def slots(self) -> list:
+    """What a run holds while it runs; never two runs at once."""
+    return list(range(self.parallel))
+
+  def where(self, slot) -> dict:
+    """The row's record of where a run ran."""
+    return {"kind": "local"}
+
+  def check(self, settings: list[dict]) -> None:
+    """Refuses, before any run starts, settings this placement cannot run."""
+
+  def env(self, slot) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         " --xla_cpu_multi_thread_eigen=false").strip()
     env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = str(self.threads)
+    return env
+
+  @contextlib.contextmanager
+  def _slot(self):
+    slot = self._free.get()
+    try:
+      yield slot
+    finally:
+      self._free.put(slot)
+
+  def _run(self, cmd: list[str], log: pathlib.Path, env: dict) -> None:
     with open(log, "w") as f:
       proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if proc.returncode:
-      raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}; log {log}:\n"
-                         f"{log.read_text()[-3000:]}")
+      raise RunFailed(f"{' '.join(cmd)} exited {proc.returncode}; log {log}:\n"
+                      f"{log.read_text()[-3000:]}")
+
+  def _train(self, settings: dict, workdir: pathlib.Path, slot) -> None:
+    self._run(command(settings, workdir), workdir / "log.txt", self.env(slot))
+
+  def _export(self, workdir: pathlib.Path, export: pathlib.Path, slot) -> None:
+    self._run([sys.executable, "-m", "ba_jax.export", f"--workdir={workdir}",
+               f"--output_dir={export}"], workdir / "export_log.txt",
+              self.env(slot))
 
   def warmup(self, settings: dict, workdir: pathlib.Path) -> str:
     """Train the warm-up and export it; the Hugging Face directory."""
@@ -103,21 +148,23 @@ class LocalRunner:
     if not (export / "config.json").exists():
       shutil.rmtree(workdir, ignore_errors=True)
       workdir.mkdir(parents=True)
-      self._run(command(settings, workdir), workdir / "log.txt")
-      self._run([sys.executable, "-m", "ba_jax.export", f"--workdir={workdir}",
-                 f"--output_dir={export}"], workdir / "export_log.txt")
+      with self._slot() as slot:
+        self._train(settings, workdir, slot)
+        self._export(workdir, export, slot)
     return str(export)
 
   def train(self, settings: dict, workdir: pathlib.Path) -> dict:
-    """One RL run; its outcomes (``summary.summarise``)."""
-    try:
-      self._run(command(settings, workdir), workdir / "log.txt")
-    except RuntimeError:
-      # A run the non-finite guard stopped still wrote its summary: at a rate
-      # too large for a rule that is a result (a poor one), not a crash.
-      if not (workdir / "summary.json").exists():
-        raise
-    return summary.summarise(workdir)
+    """One RL run; its outcomes (``summary.summarise``) and ``placement``
+    (``where``)."""
+    with self._slot() as slot:
+      try:
+        self._train(settings, workdir, slot)
+      except RunFailed:
+        # A run the non-finite guard stopped still wrote its summary: at a
+        # rate too large for a rule that is a result (a poor one), not a crash.
+        if not (workdir / "summary.json").exists():
+          raise
+      return dict(summary.summarise(workdir), placement=self.where(slot))
 
 
 def execute(jobs, spec, runner, store: Store, runs_dir: pathlib.Path, *,
@@ -133,6 +180,11 @@ def execute(jobs, spec, runner, store: Store, runs_dir: pathlib.Path, *,
   if len(todo) < len(jobs):
     log(f"{len(jobs) - len(todo)} of {len(jobs)} runs already have rows "
         f"in {store.path.name}; not rerun")
+  check = getattr(runner, "check", None)
+  if check and todo:  # refuse before the first run, not halfway
+    seeds = {warmup_seed(spec, j.seed) for j in todo} - {None}
+    check([settings[j] for j in todo] +
+          [warmup_settings(spec, w) for w in sorted(seeds)])
 
   def warm(seed):
     if seed is None:
@@ -148,12 +200,13 @@ def execute(jobs, spec, runner, store: Store, runs_dir: pathlib.Path, *,
     s = dict(settings[job])
     if s["init"]:
       s["overrides"] = dict(s["overrides"], init_from=init)
-    t0 = time.perf_counter()
+    started, t0 = time.time(), time.perf_counter()
     outcomes = runner.train(s, workdir)
     row = dict(cell=job.cell, arm=job.arm, lr=job.lr, seed=job.seed,
                config_hash=keys[job], config=s["config"],
                overrides={k: v for k, v in s["overrides"].items() if k != "init_from"},
-               init=s["init"], wall_s=round(time.perf_counter() - t0, 1),
+               init=s["init"], started_at=round(started, 2),
+               wall_s=round(time.perf_counter() - t0, 1),
                **fields, **outcomes)
     store.append(row)
     log(f"[{time.strftime('%H:%M:%S')}] done {job.name}")

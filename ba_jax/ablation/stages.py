@@ -221,13 +221,17 @@ def report(spec: Spec, outdir, *, log=print) -> str:
 
 def run(stage: str, spec: Spec, outdir=None, *, runner=None, parallel=1,
         allow_dirty=False, pilot=None, log=print):
-  """One stage (or ``all``: tune, predict, confirm, report in order)."""
+  """One stage (or ``all``: tune, predict, confirm, report in order);
+  ``runner`` says where runs go (default ``LocalRunner(parallel)``; others
+  are ``ba_jax.ablation.placement``'s)."""
   if stage not in STAGES + ("all",):
     raise ValueError(f"--stage={stage!r}: expected one of {STAGES + ('all',)}")
   outdir = outdir_of(spec, outdir)
   if runner is None and stage in ("tune", "confirm", "all"):
     from ba_jax.ablation.runner import LocalRunner
     runner = LocalRunner(parallel)
+  # as many runs at once as the runner has slots (device groups, slices)
+  parallel = getattr(runner, "parallel", parallel)
   if stage == "plan":
     return plan(spec, outdir, pilot=pilot, log=log)
   if stage in ("tune", "all"):

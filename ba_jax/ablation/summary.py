@@ -1,6 +1,7 @@
 """One run's result row from its workdir (``metrics.jsonl``, ``summary.json``,
-``config.json``, as ``python -m ba_jax.train`` writes them): the outcomes,
-the aggregation mechanism's diagnostics, stability and the curves."""
+``config.json``, ``devices.json``, as ``python -m ba_jax.train`` writes them):
+the outcomes, the aggregation mechanism's diagnostics, stability, the curves
+and the devices the run saw (``ran_on``)."""
 from __future__ import annotations
 
 import json
@@ -64,4 +65,6 @@ def summarise(workdir: str | pathlib.Path) -> dict:
       length_cv_first=_mean(series("length_cv_in_group")[:1]),
       length_gap_in_group_rel=_mean(series("length_gap_in_group_rel")),
       stability=dict(stability.report(records), **({"collapsed": True} if stopped else {})),
-      curves={k: series(k) for k in CURVES})
+      curves={k: series(k) for k in CURVES},
+      **({"ran_on": json.loads((workdir / "devices.json").read_text())}
+         if (workdir / "devices.json").exists() else {}))

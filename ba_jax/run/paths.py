@@ -2,8 +2,8 @@
 
 Orbax writes checkpoints through ``etils.epath`` (and tensorstore), so a
 ``gs://`` workdir works for them; every other file a run reads or writes
-(config.json, model_config.json, metrics.jsonl, eval.jsonl, summary.json,
-the tokenizer, ``init_from``, export and evaluation outputs) goes through
+(config.json, model_config.json, devices.json, metrics.jsonl, eval.jsonl,
+summary.json, the tokenizer, ``init_from``, export and evaluation outputs) goes through
 this module so that it lands in the same place. Libraries that need a local
 directory (a tokenizer's ``save_pretrained``, safetensors) go through a
 local temporary copy (``local_dir``, ``upload_dir``).

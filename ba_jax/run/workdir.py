@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import ml_collections
 from flax import nnx
 
@@ -17,13 +18,22 @@ from ba_jax.run.setup import Setup, abstract_saved_state, base_params, full_stat
 def write_run_files(workdir: str, setup: Setup) -> None:
   """What ``restore_policy`` needs besides the arrays: the run's config
   (model section as built), the model config (transformers layout), the
-  tokenizer."""
+  tokenizer; and the devices the run saw (``devices_record``)."""
   root = paths.path(workdir)
   paths.write_text(root / "config.json", setup.config.to_json())
   paths.write_json(root / "model_config.json", setup.model_config.to_hf_dict())
+  paths.write_json(root / "devices.json", devices_record(setup.mesh))
   if setup.tokenizer is not None:
     with paths.output_dir(root / "tokenizer") as tok_dir:
       setup.tokenizer.save_pretrained(tok_dir)
+
+
+def devices_record(mesh) -> dict:
+  """What a run ran on: the platform, the device kind, how many devices
+  (all processes') and processes, and its mesh as resolved."""
+  return dict(platform=jax.default_backend(), kind=jax.devices()[0].device_kind,
+              devices=jax.device_count(), processes=jax.process_count(),
+              mesh={name: int(size) for name, size in mesh.shape.items()})
 
 
 def is_workdir(path) -> bool:

@@ -10,7 +10,12 @@
 #   experiments/launch/tpu_pod.sh [--config.key=value ...]
 #
 # Required: TPU_NAME, CONFIG, WORKDIR (shared by all workers: a gs:// path or
-# a shared mount; checkpoints and metrics go there).
+# a shared mount; checkpoints and metrics go there). CONFIG and WORKDIR may
+# come as --config=... and --workdir=... arguments instead, as an ablation
+# hands a run to this script (docs/ablations.md, "Where runs go"):
+#
+#   python -m ba_jax.ablate --spec=... --placement=launcher --slices=pod-a,pod-b \
+#     --launcher='TPU_NAME={slice} TARGET=v5e:8x8 experiments/launch/tpu_pod.sh {args}'
 # Optional: ZONE and PROJECT (else gcloud's defaults), REPO_DIR (the ba_jax
 # checkout on every worker, default ba_jax), INIT_FROM and TASK_PATH (set
 # config.init_from and config.task.path; the files must exist on every
@@ -23,6 +28,16 @@
 # refused, with the program named, if it does not fit.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/fit_check.sh"
+
+rest=()
+for arg in "$@"; do
+  case "${arg}" in
+    --config=*) CONFIG="${arg#--config=}" ;;
+    --workdir=*) WORKDIR="${arg#--workdir=}" ;;
+    *) rest+=("${arg}") ;;
+  esac
+done
+set -- ${rest[@]+"${rest[@]}"}
 
 : "${TPU_NAME:?set TPU_NAME to the TPU VM pod name}"
 : "${CONFIG:?set CONFIG, e.g. configs/qwen25_math_7b_dapo17k.py:agg=balanced}"
