@@ -6,7 +6,9 @@ Stages (``--stage``): plan, tune, predict, confirm, report, or all (tune,
 predict, confirm, report). ``confirm`` refuses unless the spec and the
 predictions are committed and unchanged at HEAD and the tree is clean;
 ``--allow_dirty`` lets a dirty tree through and every row and the report say
-so. The logic is ``ba_jax.ablation.stages``.
+so. ``report`` also logs the study to Weights & Biases as one run when the
+base config's ``log.backends`` names wandb, or with ``--wandb``
+(``--wandb=off``: never). The logic is ``ba_jax.ablation.stages``.
 """
 from __future__ import annotations
 
@@ -31,11 +33,16 @@ def main(argv=None) -> int:
   parser.add_argument("--pilot", default=None,
                       help="--stage=plan: a pilot's rows (results.jsonl) "
                            "instead of the tuning runs")
+  parser.add_argument("--wandb", nargs="?", const="on", default="auto",
+                      choices=("auto", "on", "off"),
+                      help="the report stage's W&B run of the study: auto (on "
+                           "when the base config's log.backends names wandb), "
+                           "on (--wandb), or off")
   args = parser.parse_args(argv)
   try:
     spec = spec_lib.load(args.spec)
     stages.run(args.stage, spec, args.outdir, parallel=args.parallel,
-               allow_dirty=args.allow_dirty, pilot=args.pilot)
+               allow_dirty=args.allow_dirty, pilot=args.pilot, wandb=args.wandb)
   except (protocol.ProtocolError, stages.StageError, ValueError,
           FileNotFoundError) as e:
     print(f"ba_jax.ablate: {e}", file=sys.stderr)

@@ -9,7 +9,8 @@ record, which resume repairs (``resume.drop_replayed_rows``) and the
 experiments read. ``log.backends`` adds TensorBoard (tensorboardX) and
 Weights & Biases (``wandb``, offline when there is no API key or no
 network; ``wandb sync`` uploads the run directory later). Only process 0
-builds a logger.
+builds a logger. ``start_wandb`` (mode, offline fallback) also starts the
+ablation report's run (``ba_jax.ablation.wandb_report``).
 """
 from __future__ import annotations
 
