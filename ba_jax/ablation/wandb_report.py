@@ -34,7 +34,7 @@ from ba_jax.run import tracking
 
 CHOICES = ("auto", "on", "off")
 JOB_TYPE = "ablation-report"
-REPORTS_PACKAGE = ("wandb_workspaces", 'pip install -e ".[tracking]"')
+REPORTS_PACKAGE = "wandb_workspaces"  # W&B's Reports API, in the tracking extra
 
 
 def base_log(spec) -> schema.Log:
@@ -47,7 +47,7 @@ def base_log(spec) -> schema.Log:
                             f"{os.getcwd()}; run ablate from the repository root")
   get_config = runpy.run_path(path)["get_config"]
   config = get_config(arg) if arg else get_config()
-  log = dict(config.to_dict().get("log", {})) if "log" in config else {}
+  log = dict(config.to_dict().get("log", {}))
   log.update({k[len("log."):]: v for k, v in spec.overrides.items()
               if k.startswith("log.")})
   return schema.parse({"log": log}).log
@@ -195,7 +195,8 @@ def log_study(spec, plan: dict, rows: list[dict], outdir, home, images, log: sch
   out = dict(id=run.id, mode=mode, dir=os.path.dirname(run.dir))
   try:
     made = tables(plan, rows)
-    record = {name: wandb.Table(columns=c, data=d) for name, (c, d) in made.items()}
+    record = {name: wandb.Table(columns=c, data=d, allow_mixed_types=True)
+              for name, (c, d) in made.items()}
     record.update({image_key(p): wandb.Image(str(p)) for p in images})
     run.log(record)
     artifact = wandb.Artifact(slug(plan["name"]), type=JOB_TYPE, metadata=dict(
@@ -212,8 +213,8 @@ def log_study(spec, plan: dict, rows: list[dict], outdir, home, images, log: sch
 
 
 def _save_report(plan, run, made, images, note) -> str | None:
-  if importlib.util.find_spec(REPORTS_PACKAGE[0]) is None:
-    note(f"W&B Report not built: it needs {REPORTS_PACKAGE[0]} ({REPORTS_PACKAGE[1]})")
+  if importlib.util.find_spec(REPORTS_PACKAGE) is None:
+    note(f"W&B Report not built: it needs {REPORTS_PACKAGE} ({tracking.EXTRA})")
     return None
   columns, data = made["comparisons"]
   report = build_report(plan, [dict(zip(columns, d)) for d in data], entity=run.entity,
