@@ -7,6 +7,7 @@ built (not saved) from what was logged."""
 import base64
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import pathlib
 import shutil
@@ -168,6 +169,13 @@ def test_tracking_is_on_from_the_config_or_the_flag(monkeypatch):
   for argv, want in (([], "auto"), (["--wandb"], "on"), (["--wandb=off"], "off")):
     assert ablate.main([f"--spec={STUDY / 'spec.py'}", "--stage=report", *argv]) == 0
     assert seen.pop() == want
+  # on without wandb installed: one line naming the install command
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+      None if name == "wandb" else find_spec(name, *a)))
+  with pytest.raises(ValueError, match=r"--wandb=on: the report's W&B run needs the "
+                     r'wandb package, which is not installed: pip install -e "\.\[tracking\]"'):
+    wandb_report.resolve("on", spec)
 
 
 def test_the_wandb_report_shows_the_logged_verdicts_tables_and_curves(reported):
