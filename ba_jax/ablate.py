@@ -10,7 +10,9 @@ so. Where runs go (``--placement``): local processes, ``--parallel`` at a
 time (default); sub-meshes of this host's devices (``devices``,
 ``--devices_per_run``); or one launch command per slice (``launcher``,
 ``--launcher``, ``--slices``). The logic is ``ba_jax.ablation.stages`` and
-``ba_jax.ablation.placement``.
+``ba_jax.ablation.placement``. ``report`` also logs the study to Weights &
+Biases as one run when the base config's ``log.backends`` names wandb, or
+with ``--wandb`` (``--wandb=off``: never).
 """
 from __future__ import annotations
 
@@ -59,6 +61,11 @@ def main(argv=None) -> int:
   parser.add_argument("--pilot", default=None,
                       help="--stage=plan: a pilot's rows (results.jsonl) "
                            "instead of the tuning runs")
+  parser.add_argument("--wandb", nargs="?", const="on", default="auto",
+                      choices=("auto", "on", "off"),
+                      help="the report stage's W&B run of the study: auto (on "
+                           "when the base config's log.backends names wandb), "
+                           "on (--wandb), or off")
   args = parser.parse_args(argv)
   try:
     spec = spec_lib.load(args.spec)
@@ -71,7 +78,7 @@ def main(argv=None) -> int:
           python=args.python)
     stages.run(args.stage, spec, args.outdir, runner=runner,
                parallel=args.parallel, allow_dirty=args.allow_dirty,
-               pilot=args.pilot)
+               pilot=args.pilot, wandb=args.wandb)
   except (protocol.ProtocolError, stages.StageError, ValueError,
           FileNotFoundError) as e:
     print(f"ba_jax.ablate: {e}", file=sys.stderr)

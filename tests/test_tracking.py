@@ -1,7 +1,6 @@
 """Experiment tracking (``ba_jax.run.tracking``): one smoke job with the W&B
 backend offline, resumed once, read back from its own files; samples.jsonl;
 reward terms; a missing backend package; the retired ``log.tensorboard``."""
-import glob
 import importlib.util
 import json
 import os
@@ -16,6 +15,7 @@ from ba_jax.loss import aggregation as agg
 from ba_jax.run import resume, trainer, workdir as workdir_lib
 from ba_jax.tasks import registry, synthetic
 import trainer_utils as tu
+import wandb_records
 
 STEPS, PROMPTS, G, MINIBATCHES = 3, 4, 4, 2
 
@@ -52,11 +52,7 @@ def run(tmp_path_factory):
   registry.register(TermsTask, section=schema.SyntheticSumTask)
   try:
     with pytest.MonkeyPatch.context() as mp:
-      mp.setenv("WANDB_MODE", "offline")
-      mp.setenv("WANDB_DISABLE_GIT", "true")
-      for name in ("DIR", "CACHE_DIR", "CONFIG_DIR", "DATA_DIR",
-                   "ARTIFACT_DIR"):
-        mp.setenv(f"WANDB_{name}", str(tmp / "wandb_files" / name.lower()))
+      wandb_records.offline_env(mp, tmp / "wandb_files")
       workdir = str(tmp / "run")
       first = trainer.run(_config(), workdir)
       shutil.rmtree(os.path.join(workdir, "checkpoints", str(STEPS)))
@@ -64,8 +60,7 @@ def run(tmp_path_factory):
   finally:
     registry._REGISTRY.pop(TermsTask.name, None)
     schema.TASK_SECTIONS.pop(TermsTask.name, None)
-  runs = sorted(glob.glob(str(tmp / "wandb_files" / "dir" / "wandb" /
-                              "offline-run-*")))
+  runs = wandb_records.runs(tmp / "wandb_files")
   return dict(workdir=workdir, first=first, resumed=resumed, wandb_runs=runs)
 
 
@@ -73,54 +68,12 @@ def _rows(path):
   return [json.loads(l) for l in open(path).read().split("\n") if l]
 
 
-# --- reading an offline W&B run (its .wandb file is a LevelDB-style log of
-# protobuf records: a 7-byte file header, then 32 KiB blocks of chunks) ---
-
-def _wandb_records(run_dir):
-  from wandb.proto import wandb_internal_pb2
-  (path,) = glob.glob(os.path.join(run_dir, "*.wandb"))
-  data, block = open(path, "rb").read(), 32 * 1024
-  assert data[:4] == b":W&B", data[:8]
-  pos, pending = 7, b""
-  while pos + 7 <= len(data):
-    if block - pos % block < 7:  # a block's tail too short for a header
-      pos += block - pos % block
-      continue
-    length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-    chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-    if kind == 0:  # zero padding
-      continue
-    pending = chunk if kind in (1, 2) else pending + chunk
-    if kind in (1, 4):  # FULL or LAST
-      record = wandb_internal_pb2.Record()
-      record.ParseFromString(pending)
-      yield record
-
-
-def _wandb_history(run_dir) -> dict[int, dict]:
-  """``{step: {key: value}}`` of the run's logged history."""
-  out = {}
-  for record in _wandb_records(run_dir):
-    if record.WhichOneof("record_type") == "history":
-      item = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
-              for i in record.history.item}
-      out.setdefault(item["_step"], {}).update(item)
-  return out
-
-
-def _wandb_config(run_dir) -> dict:
-  for record in _wandb_records(run_dir):
-    if record.WhichOneof("record_type") == "run":
-      return {i.key: json.loads(i.value_json) for i in record.run.config.update}
-  raise AssertionError(f"no run record in {run_dir}")
-
-
 def test_wandb_offline_files_hold_the_scalars_table_and_config(run):
   first, resumed = run["wandb_runs"]  # one W&B run directory per session
   assert os.path.basename(first).split("-")[-1] == open(
       os.path.join(run["workdir"], "wandb_run_id")).read().strip()
   assert first.split("-")[-1] == resumed.split("-")[-1]  # the same W&B run
-  history = _wandb_history(first)
+  history = wandb_records.history(first)
   metrics = {r["step"]: r for r in _rows(os.path.join(run["workdir"],
                                                       "metrics.jsonl"))}
   for step in range(1, STEPS + 1):
@@ -146,11 +99,11 @@ def test_wandb_offline_files_hold_the_scalars_table_and_config(run):
       assert g.keys() == w.keys()
       for key in ("reward", "advantage", "weight", "length"):
         assert g[key] == pytest.approx(w[key], rel=1e-6)
-  config = _wandb_config(first)
+  config = wandb_records.config(first)
   assert config["loss"]["aggregation"] == "balanced"
   assert config["rl"]["group_size"] == G
   # The resumed session replays step 3, which W&B already has: not sent.
-  assert not [s for s in _wandb_history(resumed) if s <= STEPS]
+  assert not [s for s in wandb_records.history(resumed) if s <= STEPS]
 
 
 def test_samples_jsonl_rows_are_the_batch_once_per_step(run):

@@ -7,8 +7,9 @@ local processes (``placement``: sub-meshes of a host's devices, one launch
 per slice), the stages
 plan/tune/predict/confirm/report (``stages``, ``planning``), the named
 comparisons and statistics (``comparisons``, ``stats``), run stability
-(``stability``), the texts and plots (``texts``, ``plots``) and the reader of
-the files the older script wrote (``legacy``). Its runs are
+(``stability``), the texts and plots (``texts``, ``plots``), the report's W&B
+run and Report (``wandb_report``) and the reader of the files the older
+script wrote (``legacy``). Its runs are
 ``python -m ba_jax.train`` subprocesses, so it imports little of the package.
 
 May import: config, run.

@@ -12,7 +12,8 @@ protocol. Files, in the study's results folder:
   committed and unchanged at HEAD and the tree is clean (or
   ``allow_dirty``); then the confirmation seeds, every row naming the
   protocol's and the code's commit (``results.jsonl``).
-- ``report``: ``REPORT.md`` and ``curves_<setting>_<cell>.png``.
+- ``report``: ``REPORT.md`` and ``curves_<setting>_<cell>.png``; with W&B
+  tracking on, the study as one W&B run (``wandb_report``).
 
 A study killed in any stage resumes where it was: a run with a row in its
 stage's file is not run again. The protocol (the prediction files) always
@@ -197,8 +198,15 @@ def confirm(spec: Spec, outdir, runner, *, parallel=1, allow_dirty=False,
   return store.rows()
 
 
-def report(spec: Spec, outdir, *, log=print) -> str:
+def report(spec: Spec, outdir, *, wandb: str = "off", log=print) -> str:
+  """REPORT.md and the curves; with ``wandb`` ``on`` (or ``auto`` and the
+  base config's ``log.backends`` naming wandb) also the study as one W&B
+  run (``ba_jax.ablation.wandb_report``)."""
   outdir = outdir_of(spec, outdir)
+  tracked = None  # the base config's log settings, when the W&B run is on
+  if wandb != "off":  # decided first: a bad config stops before any file
+    from ba_jax.ablation import wandb_report
+    tracked = wandb_report.resolve(wandb, spec)
   p = load_plan(spec)
   rows = read_rows(outdir / "results.jsonl")
   tuning = read_rows(outdir / "tuning.jsonl")
@@ -214,16 +222,20 @@ def report(spec: Spec, outdir, *, log=print) -> str:
   text = texts.report_md(p, rows, len(tuning),
                          json.loads(status.read_text()) if status.exists() else None)
   (outdir / "REPORT.md").write_text(text)
-  plots.plot(p, rows, outdir)
+  images = plots.plot(p, rows, outdir)
   log(text)
+  if tracked is not None:
+    wandb_report.log_study(spec, p, rows, outdir, study_dir(spec), images, tracked,
+                           note=log)
   return text
 
 
 def run(stage: str, spec: Spec, outdir=None, *, runner=None, parallel=1,
-        allow_dirty=False, pilot=None, log=print):
+        allow_dirty=False, pilot=None, wandb="off", log=print):
   """One stage (or ``all``: tune, predict, confirm, report in order);
   ``runner`` says where runs go (default ``LocalRunner(parallel)``; others
-  are ``ba_jax.ablation.placement``'s)."""
+  are ``ba_jax.ablation.placement``'s). ``wandb``: the report's W&B run,
+  ``on``, ``off`` or ``auto`` (see ``report``)."""
   if stage not in STAGES + ("all",):
     raise ValueError(f"--stage={stage!r}: expected one of {STAGES + ('all',)}")
   outdir = outdir_of(spec, outdir)
@@ -241,4 +253,4 @@ def run(stage: str, spec: Spec, outdir=None, *, runner=None, parallel=1,
   if stage in ("confirm", "all"):
     confirm(spec, outdir, runner, parallel=parallel, allow_dirty=allow_dirty, log=log)
   if stage in ("report", "all"):
-    return report(spec, outdir, log=log)
+    return report(spec, outdir, wandb=wandb, log=log)

@@ -16,9 +16,15 @@ def _f(x, spec="+.3f") -> str:
       else format(x, spec)
 
 
-def _pm(values, spec=".3f") -> str:
+def mean_sd(values) -> tuple[float, float] | None:
+  """Mean and SD (ddof 1; 0 for one value) of the finite values; None if none."""
   v = np.asarray([x for x in values if x is not None and np.isfinite(x)], float)
-  return f"{v.mean():{spec}} ± {v.std(ddof=1) if len(v) > 1 else 0:{spec}}" if len(v) else "n/a"
+  return (float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0) if len(v) else None
+
+
+def _pm(values, spec=".3f") -> str:
+  m = mean_sd(values)
+  return f"{m[0]:{spec}} ± {m[1]:{spec}}" if m else "n/a"
 
 
 def predicted(plan: dict, cell: str, a: str, b: str) -> str:
@@ -113,6 +119,44 @@ def predictions_md(plan: dict) -> str:
   return "\n".join(lines)
 
 
+def verdict(plan: dict, t: dict, confirmatory: bool) -> str:
+  """The words for one test of ``run_tests``: by its Holm-adjusted p when
+  ``confirmatory``, else by its unadjusted p."""
+  ok = t["reject"] if confirmatory else (t["p"] == t["p"] and t["p"] <= plan["alpha"])
+  if t["kind"] == "superiority" and ok:
+    return "A > B" if t["t"]["mean"] > 0 else "A < B"
+  return {"superiority": "A differs from B" if ok else "no difference shown",
+          "noninferiority": "non-inferior" if ok else "non-inferiority not shown",
+          "control": "CONTROL FIRED" if ok else "no difference (as it should)"}[t["kind"]]
+
+
+def outcomes(plan: dict) -> list[tuple[str, str, str, bool]]:
+  """``(setting, outcome, words, confirmatory)`` in the report's order: only
+  the primary outcome at the tuned rates is confirmatory."""
+  return [(setting, outcome, words, setting == "tuned" and outcome == plan["primary"][0])
+          for setting in settings_of(plan)
+          for outcome, words in [plan["primary"], *plan["secondary"]]]
+
+
+def comparison_rows(plan: dict, rows: list[dict]) -> list[dict]:
+  """Every test of the report as a flat row: setting, outcome, the paired
+  mean difference with its 95% CI, p, Holm p (confirmatory tests only), the
+  sign test, the verdict and what was predicted."""
+  out = []
+  for setting, outcome, _, confirmatory in outcomes(plan):
+    for t in run_tests(plan, rows, setting, outcome):
+      tt = t["t"]
+      out.append(dict(
+          setting=setting, outcome=outcome, confirmatory=confirmatory,
+          cell=t["cell"], a=t["a"], b=t["b"], kind=t["kind"], n=tt["n"],
+          mean_d=tt["mean"], ci_low=tt["low"], ci_high=tt["high"], p=t["p"],
+          p_holm=t["p_holm"] if confirmatory else None,
+          sign_wins=t["sign"]["wins"], sign_losses=t["sign"]["losses"],
+          sign_p=t["sign"]["p"], verdict=verdict(plan, t, confirmatory),
+          predicted=predicted(plan, t["cell"], t["a"], t["b"])))
+  return out
+
+
 def _tests_table(plan, rows, setting, outcome, confirmatory: bool) -> list[str]:
   lines = ["| cell | comparison | n | mean d [95% CI] | t-test p | "
            + ("Holm p | verdict |" if confirmatory else "verdict (unadjusted) |")
@@ -120,17 +164,11 @@ def _tests_table(plan, rows, setting, outcome, confirmatory: bool) -> list[str]:
            "|---|---|---:|---|---:|" + ("---:|---|" if confirmatory else "---|") + "---|---|"]
   for t in run_tests(plan, rows, setting, outcome):
     tt = t["t"]
-    ok = t["reject"] if confirmatory else (t["p"] == t["p"] and t["p"] <= plan["alpha"])
-    verdict = {"superiority": "A differs from B" if ok else "no difference shown",
-               "noninferiority": "non-inferior" if ok else "non-inferiority not shown",
-               "control": "CONTROL FIRED" if ok else "no difference (as it should)"}[t["kind"]]
-    if t["kind"] == "superiority" and ok:
-      verdict = "A > B" if tt["mean"] > 0 else "A < B"
     holm = f" {_f(t['p_holm'], '.3g')} |" if confirmatory else ""
     lines.append(
         f"| {t['cell']} | {t['a']} - {t['b']} ({t['kind']}) | {tt['n']} | "
         f"{_f(tt['mean'])} [{_f(tt['low'])}, {_f(tt['high'])}] | {_f(t['p'], '.3g')} |"
-        f"{holm} {verdict} | {t['sign']['wins']}:{t['sign']['losses']} "
+        f"{holm} {verdict(plan, t, confirmatory)} | {t['sign']['wins']}:{t['sign']['losses']} "
         f"p={_f(t['sign']['p'], '.3g')} | {predicted(plan, t['cell'], t['a'], t['b'])} |")
   return lines
 
@@ -167,25 +205,37 @@ def power_seen(plan: dict, rows: list[dict]) -> list[str]:
   return lines + [""]
 
 
-def _arm_table(plan, rows, setting) -> list[str]:
-  lines = ["| cell | arm | lr | seeds | primary: reward | held-out after "
-           "| held-out before | mixed | share - fraction | entropy end/start "
-           "| length end/start | weight-length corr | CV, step 1 | unstable |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def arm_columns(plan: dict) -> list[tuple[str, str, str]]:
+  """The per-arm table's outcomes: ``(row field, header, format)``."""
+  return [(plan["primary"][0], "primary: reward", ".3f"),
+          ("heldout_after", "held-out after", ".3f"),
+          ("heldout_before", "held-out before", ".3f"),
+          ("groups_mixed_frac", "mixed", ".2f"),
+          ("pos_share_minus_frac", "share - fraction", "+.3f"),
+          ("entropy_drift", "entropy end/start", ".2f"),
+          ("length_drift", "length end/start", ".2f"),
+          ("weight_length_corr", "weight-length corr", "+.2f"),
+          ("length_cv_first", "CV, step 1", ".2f")]
+
+
+def arm_groups(plan: dict, rows: list[dict]):
+  """``(cell, arm, rows)`` for each cell and arm that has rows."""
   for cell in plan["cells"]:
     for arm in plan["arms"]:
       rs = [r for r in rows if (r["cell"], r["arm"]) == (cell, arm)]
-      if not rs:
-        continue
-      col = lambda k: [r[k] for r in rs]
-      lines.append(
-          f"| {cell} | {arm} | {rs[0]['lr']:g} | {len(rs)} | {_pm(col(plan['primary'][0]))} | "
-          f"{_pm(col('heldout_after'))} | {_pm(col('heldout_before'))} | "
-          f"{_pm(col('groups_mixed_frac'), '.2f')} | "
-          f"{_pm(col('pos_share_minus_frac'), '+.3f')} | "
-          f"{_pm(col('entropy_drift'), '.2f')} | {_pm(col('length_drift'), '.2f')} | "
-          f"{_pm(col('weight_length_corr'), '+.2f')} | {_pm(col('length_cv_first'), '.2f')} | "
-          f"{sum(r['stability']['collapsed'] for r in rs)}/{len(rs)} |")
+      if rs:
+        yield cell, arm, rs
+
+
+def _arm_table(plan, rows, setting) -> list[str]:
+  columns = arm_columns(plan)
+  lines = ["| cell | arm | lr | seeds | " + " | ".join(h for _, h, _ in columns)
+           + " | unstable |", "|---|---|---:|---:|" + "---:|" * (len(columns) + 1)]
+  for cell, arm, rs in arm_groups(plan, rows):
+    lines.append(
+        f"| {cell} | {arm} | {rs[0]['lr']:g} | {len(rs)} | "
+        + "".join(f"{_pm([r[k] for r in rs], spec)} | " for k, _, spec in columns)
+        + f"{sum(r['stability']['collapsed'] for r in rs)}/{len(rs)} |")
   return lines
 
 
@@ -259,8 +309,7 @@ def report_md(plan: dict, rows: list[dict], n_tuning: int,
     lines += [f"## Rates `{setting}`" + (" (confirmatory)" if setting == "tuned"
                                          else " (exploratory)"), ""]
     lines += _arm_table(plan, srows, setting)
-    for outcome, words in [plan["primary"], *plan["secondary"]]:
-      confirmatory = setting == "tuned" and outcome == plan["primary"][0]
+    for _, outcome, words, confirmatory in [o for o in outcomes(plan) if o[0] == setting]:
       lines += ["", f"Tests on `{outcome}` ({words})"
                 + ("; Holm over the pre-registered family:" if confirmatory
                    else "; exploratory, unadjusted:"), ""]

@@ -9,7 +9,8 @@ record, which resume repairs (``resume.drop_replayed_rows``) and the
 experiments read. ``log.backends`` adds TensorBoard (tensorboardX) and
 Weights & Biases (``wandb``, offline when there is no API key or no
 network; ``wandb sync`` uploads the run directory later). Only process 0
-builds a logger.
+builds a logger. ``start_wandb`` (mode, offline fallback) also starts the
+ablation report's run (``ba_jax.ablation.wandb_report``).
 """
 from __future__ import annotations
 
@@ -189,6 +190,37 @@ def wandb_mode(log: schema.Log, wandb) -> str:
   return "online" if _has_wandb_api_key(wandb) else "offline"
 
 
+def start_wandb(log: schema.Log, *, note: Callable[[str], None] = print,
+                **init_kwargs):
+  """A started W&B run in ``project``/``entity`` of ``log``, its mode as
+  ``wandb_mode`` resolves it; an online start that fails (no network) is
+  noted and retried offline. Returns ``(run, mode)``; ``init_kwargs`` go to
+  ``wandb.init`` (name, id, dir, config, job_type, ...)."""
+  import wandb
+  mode = wandb_mode(log, wandb)
+  kwargs = dict(project=log.wandb_project, entity=log.wandb_entity or None,
+                **init_kwargs)
+  # The caller prints its own lines; W&B's console capture is off.
+  settings = lambda: wandb.Settings(console="off", silent=True)
+  try:
+    run = wandb.init(mode=mode, settings=settings(), **kwargs)
+  except Exception as e:  # wandb raises many kinds when the network is away
+    if mode != "online":
+      raise
+    first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+    note(f"W&B: online start failed ({first}); logging offline")
+    mode = "offline"
+    run = wandb.init(mode=mode, settings=settings(), **kwargs)
+  where = getattr(run, "dir", None) or kwargs.get("dir")
+  if mode == "offline":
+    run_dir = os.path.dirname(where) if where else "the wandb directory"
+    note(f"W&B run {run.id} logged offline to {run_dir}; upload it with "
+         f"`wandb sync {run_dir}`")
+  else:
+    note(f"W&B run {run.id}: {getattr(run, 'url', '') or 'online'}")
+  return run, mode
+
+
 class WandB:
   """A Weights & Biases run: scalars, evaluations as ``eval/*``, samples as a
   ``wandb.Table`` named ``samples``, the config at init. The run id is
@@ -211,28 +243,9 @@ class WandB:
       paths.write_text(id_file, run_id + "\n")
     directory = os.environ.get("WANDB_DIR") or (
         None if paths.is_remote(root) else str(root))
-    mode = wandb_mode(log, wandb)
-    kwargs = dict(project=log.wandb_project, entity=log.wandb_entity or None,
-                  name=os.path.basename(str(workdir).rstrip("/")), id=run_id,
-                  resume="allow", dir=directory, config=config)
-    # The trainer prints its own lines; W&B's console capture is off.
-    settings = lambda: wandb.Settings(console="off", silent=True)
-    try:
-      self._run = wandb.init(mode=mode, settings=settings(), **kwargs)
-    except Exception as e:  # wandb raises many kinds when the network is away
-      if mode != "online":
-        raise
-      first = (str(e).splitlines() or [type(e).__name__])[0][:200]
-      note(f"W&B: online start failed ({first}); logging offline")
-      mode = "offline"
-      self._run = wandb.init(mode=mode, settings=settings(), **kwargs)
-    where = getattr(self._run, "dir", None) or directory
-    if mode == "offline":
-      run_dir = os.path.dirname(where) if where else "the wandb directory"
-      note(f"W&B run {run_id} logged offline to {run_dir}; upload it with "
-           f"`wandb sync {run_dir}`")
-    else:
-      note(f"W&B run {run_id}: {getattr(self._run, 'url', '') or 'online'}")
+    self._run, _ = start_wandb(
+        log, note=note, name=os.path.basename(str(workdir).rstrip("/")),
+        id=run_id, resume="allow", dir=directory, config=config)
 
   def _skip(self, step: int) -> bool:
     return self._skip_until is not None and step <= self._skip_until
