@@ -79,7 +79,7 @@ def make_plan(spec, rows: list[dict]) -> dict:
       rates=list(spec.rates), warmup=spec.warmup, init_from=spec.init_from,
       tune_seeds=list(spec.tune_seeds), confirm_seeds=list(spec.confirm_seeds),
       primary=list(spec.primary), secondary=[list(s) for s in spec.secondary],
-      chosen=chosen, tuning_means=means, common=common,
+      chosen=chosen, tuning_means=means, common=common, tie_decimals=spec.tie_decimals,
       comparisons=[[c.a, c.b, c.kind] for c in spec.comparisons],
       holm_family=family, alpha=spec.alpha, power=spec.power,
       paired_sd=sd, paired_sd_terms=terms, mdd=mdd(spec.alpha),

@@ -62,7 +62,8 @@ def predictions_md(plan: dict) -> str:
   lines += [f"- Secondary (exploratory): `{s[0]}`, {s[1]}." for s in p["secondary"]]
   lines += ["", "## Rate choice", "",
             "The rate with the highest mean primary outcome over the tuning "
-            "seeds; ties (equal to 3 decimals) go to the lower rate.", "",
+            f"seeds; ties (equal to {p.get('tie_decimals', 3)} decimals) go to the "
+            "lower rate.", "",
             "| cell | arm | " + " | ".join(f"lr {lr:g}" for lr in p["rates"]) + " | chosen |",
             "|---|---|" + "---:|" * (len(p["rates"]) + 1)]
   for cell in p["cells"]:

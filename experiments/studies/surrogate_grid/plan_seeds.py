@@ -69,6 +69,10 @@ def stage_wall(runs: int, warmups: int, slots: int, run_s: float, scale: float) 
                   + math.ceil(runs / slots) * run_s)
 
 
+def _time(seconds: float) -> str:
+  return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+
+
 def wall(grid, rows, n_seeds: int) -> list[str]:
   run_s = float(np.mean([r["wall_s"] for r in rows]
                         + [r["wall_s"] for r in read_rows(POWERED / "results/tuning.jsonl")]))
@@ -93,8 +97,8 @@ def wall(grid, rows, n_seeds: int) -> list[str]:
     t = stage_wall(tune, len(grid.tune_seeds), p, run_s, scale)
     c = stage_wall(confirm, n_seeds, p, run_s, scale)
     c2 = stage_wall(2 * confirm, n_seeds, p, run_s, scale)
-    lines.append(f"| {p} | {t / 3600:.1f} h | {c / 3600:.1f} h | {c2 / 3600:.1f} h | "
-                 f"{(t + c) / 3600:.1f}-{(t + c2) / 3600:.1f} h |")
+    lines.append(f"| {p} | {_time(t)} | {_time(c)} | {_time(c2)} | "
+                 f"{_time(t + c)} to {_time(t + c2)} |")
   return lines
 
 
