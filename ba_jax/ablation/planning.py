@@ -71,7 +71,7 @@ def make_plan(spec, rows: list[dict]) -> dict:
                      "and there is none (no tuning seeds, or fewer than 2 pairs)")
   axes = (dict(arm_keys=list(spec.arm_keys),
                arm_values={arm: list(v) for arm, v in spec.arm_values.items()})
-          if spec.arm_keys else {})  # a one-axis plan is as it always was
+          if spec.arm_keys else {})  # a one-axis plan has no grid fields
   return dict(
       **axes,
       name=spec.name, spec=spec.path, config=spec.config, cells=list(spec.cells),

@@ -127,9 +127,11 @@ def from_dict(d: dict, path: str = "<spec>") -> Spec:
     values = arms_lib.parse(keys, _need(d, "arms", (list, tuple), path), path)
     axes = dict(arm_keys=keys, arm_values=values, arm_key=arms_lib.SEP.join(keys))
     arms = tuple(values)
-    d = {**d, "comparisons": [[_arm_name(a), _arm_name(b), *rest]
-                              for a, b, *rest in d.get("comparisons", ())],
-         "common_rate_arm": _arm_name(d.get("common_rate_arm", ""))}
+    d = dict(d, common_rate_arm=_arm_name(d.get("common_rate_arm", "")))
+    if isinstance(d.get("comparisons"), (list, tuple)):
+      d["comparisons"] = [[_arm_name(c[0]), _arm_name(c[1]), *c[2:]]
+                          if isinstance(c, (list, tuple)) and len(c) > 1 else c
+                          for c in d["comparisons"]]
   else:
     _need(d, "arm_key", str, path)
     arms = tuple(_need(d, "arms", (list, tuple), path))
