@@ -10,7 +10,8 @@ import shutil
 import numpy as np
 import pytest
 
-from ba_jax.ablation import arms, planning, protocol, runner, spec as spec_lib, stages, texts
+from ba_jax.ablation import (arms, planning, protocol, runner, spec as spec_lib, stages,
+                             stats, texts)
 from ba_jax.ablation.store import config_hash, read_rows
 from ba_jax.config import combinations
 
@@ -212,6 +213,13 @@ def test_the_surrogate_grid_is_sized_by_its_planner(capsys):
   assert "spec.py has" not in out  # printed when the spec's seeds differ
   spec = spec_lib.load(plan_seeds.GRID)
   assert len(spec.arms) == 19 and len(planning.holm_family(spec)) == 18
+  # the fewest seeds whose detectable difference at Holm's first step is 0.02
+  need = planning.seeds_for_family(spec, 0.0223, 0.02)
+  n = need["holm_first"]
+  mdd = lambda k: stats.min_detectable_difference(k, 0.0223, alpha=0.05 / 18)
+  assert need["alpha_first"] == pytest.approx(0.05 / 18)
+  assert mdd(n) <= 0.02 < mdd(n - 1)
+  assert need["unadjusted"] < n
 
 
 @pytest.mark.slow
@@ -270,4 +278,5 @@ def get_spec():
   assert "| all | tis_token | 4 |" in text  # per correction, surrogates pooled
   plan_text = stages.run("plan", spec, pilot="study/results/results.jsonl", log=quiet)
   assert "| all | ppo_clip/tis_token - ppo_clip/none (superiority) | 2 |" in plan_text
+  assert "at Holm's first step over the 2 comparisons of the family" in plan_text
   shutil.rmtree(tmp_path / "study/results/runs")

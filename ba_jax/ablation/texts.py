@@ -199,10 +199,11 @@ WITHIN = "loss.aggregation"  # the axis the mechanism checks are about
 
 def mechanism_by_axis(plan: dict, rows: list[dict], setting: str = "tuned") -> list[str]:
   """With several arm axes: the mechanism checks (positive share minus
-  positive fraction, weight-length correlation) per value of each axis but
-  the aggregation (per surrogate, per correction), and per aggregation rule
-  within it; means ± SD over the runs of every arm with those values (all
-  seeds, the other axes pooled). Nothing for a one-axis plan."""
+  positive fraction, weight-length correlation, and a correction's: the
+  sampler-trainer gap and the tokens it corrected) per value of each axis
+  but the aggregation (per surrogate, per correction), and per aggregation
+  rule within it; means ± SD over the runs of every arm with those values
+  (all seeds, the other axes pooled). Nothing for a one-axis plan."""
   keys = plan.get("arm_keys")
   if not keys:
     return []
