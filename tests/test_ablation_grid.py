@@ -166,7 +166,8 @@ def test_the_report_groups_the_mechanism_checks_per_surrogate_and_correction():
   assert plan["arm_values"]["gspo/token/tis_token"] == ["gspo", "token", "tis_token"]
   rows = synthetic_rows(spec)
   lines = texts.mechanism_by_axis(plan, rows)
-  assert lines[0] == "## Mechanism checks per `loss.surrogate` and per `loss.correction` (tuned rates)"
+  assert lines[0] == ("## Mechanism checks per `loss.surrogate` and per "
+                      "`loss.correction` (tuned rates)")
 
   def pm(values, fmt):
     v = np.array([x for x in values if np.isfinite(x)])
