@@ -69,13 +69,17 @@ def make_plan(spec, rows: list[dict]) -> dict:
   if spec.margin == "mdd" and not margin == margin:
     raise ValueError(f"{spec.path}: margin='mdd' needs the tuning runs' paired SD, "
                      "and there is none (no tuning seeds, or fewer than 2 pairs)")
+  axes = (dict(arm_keys=list(spec.arm_keys),
+               arm_values={arm: list(v) for arm, v in spec.arm_values.items()})
+          if spec.arm_keys else {})  # a one-axis plan has no grid fields
   return dict(
+      **axes,
       name=spec.name, spec=spec.path, config=spec.config, cells=list(spec.cells),
       arms=list(spec.arms), arm_key=spec.arm_key, rate_key=spec.rate_key,
       rates=list(spec.rates), warmup=spec.warmup, init_from=spec.init_from,
       tune_seeds=list(spec.tune_seeds), confirm_seeds=list(spec.confirm_seeds),
       primary=list(spec.primary), secondary=[list(s) for s in spec.secondary],
-      chosen=chosen, tuning_means=means, common=common,
+      chosen=chosen, tuning_means=means, common=common, tie_decimals=spec.tie_decimals,
       comparisons=[[c.a, c.b, c.kind] for c in spec.comparisons],
       holm_family=family, alpha=spec.alpha, power=spec.power,
       paired_sd=sd, paired_sd_terms=terms, mdd=mdd(spec.alpha),
@@ -116,3 +120,25 @@ def seeds_needed(spec, rows: list[dict]) -> list[dict]:
                           len(spec.confirm_seeds), sd, alpha=spec.alpha,
                           power=spec.power) if sd > 0 else float("nan"))))
   return out
+
+
+def pooled_sd(sds) -> float:
+  """The root mean variance of paired SDs (``seeds_needed``'s ``sd``s;
+  NaNs left out), as ``pooled_paired_sd`` pools them."""
+  v = [s * s for s in sds if s == s]
+  return float(np.sqrt(np.mean(v))) if v else float("nan")
+
+
+def seeds_for_family(spec, sd: float, detectable: float) -> dict:
+  """The confirmation seeds ``spec`` needs to detect ``detectable`` for
+  paired differences of SD ``sd`` (paired t, power ``spec.power``): at
+  ``spec.alpha`` unadjusted, and at Holm's first (strictest) step over the
+  spec's family (``alpha / len(holm_family(spec))``), which is what makes
+  every comparison of the family detectable at that difference."""
+  family = len(holm_family(spec))
+  return dict(sd=sd, detectable=detectable, family=family,
+              alpha_first=spec.alpha / max(1, family),
+              unadjusted=stats.seeds_for(detectable, sd, alpha=spec.alpha,
+                                         power=spec.power),
+              holm_first=stats.seeds_for(detectable, sd, alpha=spec.alpha / max(1, family),
+                                         power=spec.power))

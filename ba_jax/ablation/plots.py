@@ -33,7 +33,7 @@ def plot(plan: dict, rows: list[dict], outdir: str | pathlib.Path) -> list[pathl
                     marker="." if steps < 12 else None)
         ax.set_title(f"{title} ({cell}, {setting} rates)")
         ax.set_xlabel("RL step")
-      axes[0].legend()
+      axes[0].legend(fontsize="x-small" if len(plan["arms"]) > 6 else None)
       fig.tight_layout()
       path = pathlib.Path(outdir) / f"curves_{setting}_{cell}.png"
       fig.savefig(path, dpi=90)

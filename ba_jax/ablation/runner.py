@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Callable
 
-from ba_jax.ablation import summary
+from ba_jax.ablation import arms, summary
 from ba_jax.ablation.store import Store, config_hash
 
 
@@ -38,7 +38,9 @@ class Job:
 
   @property
   def name(self) -> str:
-    return f"{self.cell}_{self.arm}_lr{self.lr:g}_s{self.seed}"
+    """The run's folder name (a grid arm's "/" as "+")."""
+    arm = str(self.arm).replace(arms.SEP, "+")
+    return f"{self.cell}_{arm}_lr{self.lr:g}_s{self.seed}"
 
 
 def flag_value(v) -> str:
@@ -52,19 +54,13 @@ def command(settings: dict, workdir) -> list[str]:
               f"--config.{k}={flag_value(v)}" for k, v in settings["overrides"].items()]
 
 
-def _config_arg(config: str, variant: str) -> str:
-  if not variant:
-    return config
-  return f"{config},{variant}" if ":" in config else f"{config}:{variant}"
-
-
 def warmup_seed(spec, seed: int) -> int | None:
   """The seed whose warm-up a run of ``seed`` starts from (None: no warm-up)."""
   return {"none": None, "per_seed": seed, "shared": 0}[spec.warmup]
 
 
 def warmup_settings(spec, seed: int) -> dict:
-  return dict(config=_config_arg(spec.config, spec.warmup_variant),
+  return dict(config=arms.config_arg(spec.config, spec.warmup_variant),
               overrides=dict(spec.overrides, seed=seed, **{"rl.steps": 0}))
 
 
@@ -74,12 +70,13 @@ def run_settings(spec, job: Job) -> dict:
   ``execute``."""
   cell = spec.cells[job.cell]
   overrides = dict(spec.overrides, **cell.get("overrides", {}))
-  overrides.update({spec.arm_key: job.arm, spec.rate_key: job.lr, "seed": job.seed})
+  overrides.update(spec.arm_settings(job.arm))
+  overrides.update({spec.rate_key: job.lr, "seed": job.seed})
   w = warmup_seed(spec, job.seed)
   init = config_hash(warmup_settings(spec, w)) if w is not None else spec.init_from
   if init:
     overrides["sft.steps"] = 0
-  return dict(config=_config_arg(spec.config, cell.get("variant", "")),
+  return dict(config=arms.config_arg(spec.config, cell.get("variant", "")),
               overrides=overrides, init=init)
 
 

@@ -3,9 +3,11 @@
 A spec is a Python file whose ``get_spec()`` returns a dict with the keys of
 ``Spec`` (experiments/studies/tiny_rules/spec.py is a small one). Every run is
 ``python -m ba_jax.train --config=<config>[,<cell variant>]`` with the spec's
-``overrides``, the cell's overrides, ``<arm_key>=<arm>``,
+``overrides``, the cell's overrides, the arm's settings (``<arm_key>=<arm>``,
+or with ``arm_keys`` one value per key: ``ba_jax.ablation.arms``),
 ``<rate_key>=<rate>`` and ``seed=<seed>``. Unknown keys, missing keys and
-values of the wrong kind are errors that name the key.
+values of the wrong kind are errors that name the key, and an arm whose loss
+settings the trainer would refuse is refused here, with the reason.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import hashlib
 import pathlib
 import runpy
 from typing import Any
+
+from ba_jax.ablation import arms as arms_lib
 
 KINDS = ("superiority", "noninferiority", "control")
 WARMUPS = ("none", "per_seed", "shared")
@@ -40,7 +44,7 @@ class Spec:
   config: str  # "configs/tiny.py" or "configs/tiny.py:smoke"
   cells: dict  # cell -> {"variant": "gap=pos", "overrides": {key: value}}
   arm_key: str  # the static axis the arms set, e.g. "loss.aggregation"
-  arms: tuple
+  arms: tuple  # the arms' names (with arm_keys: "gspo/balanced/none")
   rate_key: str  # "optim.learning_rate"
   rates: tuple
   tune_seeds: tuple
@@ -62,10 +66,22 @@ class Spec:
   tie_decimals: int = 3
   results: str = ""  # results folder, relative to the repository root
   path: str = ""  # the spec file (set by ``load``)
+  # several static axes crossed ("loss.surrogate", "loss.aggregation"); then
+  # arm_key is their names joined with "/", and arm_values holds each arm's
+  # values (set by ``from_dict``)
+  arm_keys: tuple = ()
+  arm_values: dict = dataclasses.field(default_factory=dict)
 
   @property
   def cell_names(self) -> list[str]:
     return list(self.cells)
+
+  def arm_settings(self, arm) -> dict:
+    """The config overrides of ``arm``: {arm_key: arm}, or with several axes
+    one per key."""
+    if not self.arm_keys:
+      return {self.arm_key: arm}
+    return dict(zip(self.arm_keys, self.arm_values[arm]))
 
   def margin_of(self, mdd: float) -> float | None:
     if self.margin == "mdd":
@@ -83,13 +99,16 @@ def _need(d: dict, key: str, kind, where: str):
 
 def from_dict(d: dict, path: str = "<spec>") -> Spec:
   """A checked ``Spec`` from ``get_spec()``'s dict."""
-  fields = {f.name for f in dataclasses.fields(Spec)} - {"path"}
+  fields = {f.name for f in dataclasses.fields(Spec)} - {"path", "arm_values"}
   unknown = sorted(set(d) - fields)
   if unknown:
     raise ValueError(f"{path}: unknown key(s) {unknown}; expected some of "
                      f"{sorted(fields)}")
-  for key in ("name", "config", "arm_key", "rate_key"):
+  for key in ("name", "config", "rate_key"):
     _need(d, key, str, path)
+  if ("arm_key" in d) == ("arm_keys" in d):
+    raise ValueError(f"{path}: give arm_key (one static axis) or arm_keys (several, "
+                     f"crossed), not {'both' if 'arm_key' in d else 'neither'}")
   cells = _need(d, "cells", dict, path)
   if not cells:
     raise ValueError(f"{path}: cells is empty; give at least one")
@@ -98,7 +117,24 @@ def from_dict(d: dict, path: str = "<spec>") -> Spec:
     if extra or not isinstance(cell.get("overrides", {}), dict):
       raise ValueError(f"{path}: cells[{name!r}]={cell!r}; expected a dict with "
                        "'variant' (str) and/or 'overrides' ({key: value})")
-  arms = tuple(_need(d, "arms", (list, tuple), path))
+  axes = {}
+  if "arm_keys" in d:
+    keys = tuple(_need(d, "arm_keys", (list, tuple), path))
+    if len(keys) < 2 or len(set(keys)) != len(keys) or not all(
+        isinstance(k, str) for k in keys):
+      raise ValueError(f"{path}: arm_keys={list(keys)}; expected two or more "
+                       "distinct config keys (one axis: arm_key)")
+    values = arms_lib.parse(keys, _need(d, "arms", (list, tuple), path), path)
+    axes = dict(arm_keys=keys, arm_values=values, arm_key=arms_lib.SEP.join(keys))
+    arms = tuple(values)
+    d = dict(d, common_rate_arm=_arm_name(d.get("common_rate_arm", "")))
+    if isinstance(d.get("comparisons"), (list, tuple)):
+      d["comparisons"] = [[_arm_name(c[0]), _arm_name(c[1]), *c[2:]]
+                          if isinstance(c, (list, tuple)) and len(c) > 1 else c
+                          for c in d["comparisons"]]
+  else:
+    _need(d, "arm_key", str, path)
+    arms = tuple(_need(d, "arms", (list, tuple), path))
   if len(arms) < 2 or len(set(arms)) != len(arms):
     raise ValueError(f"{path}: arms={arms!r}; expected two or more distinct values")
   rates = tuple(sorted(float(r) for r in _need(d, "rates", (list, tuple), path)))
@@ -133,11 +169,18 @@ def from_dict(d: dict, path: str = "<spec>") -> Spec:
     raise ValueError(f"{path}: common_rate_arm={common!r}; expected one of {list(arms)}")
   primary = tuple(_need(d, "primary", (list, tuple), path))
   secondary = tuple(tuple(s) for s in d.get("secondary", ()))
-  return Spec(**dict(d, arms=arms, rates=rates, tune_seeds=tune,
+  spec = Spec(**dict(d, arms=arms, rates=rates, tune_seeds=tune,
                      confirm_seeds=confirm, comparisons=tuple(comparisons),
                      primary=primary, secondary=secondary,
-                     detectable=tuple(d.get("detectable", (0.06, 0.03)))),
+                     detectable=tuple(d.get("detectable", (0.06, 0.03))), **axes),
               path=path)
+  arms_lib.check(spec, path)
+  return spec
+
+
+def _arm_name(arm):
+  """A grid arm as the spec may name it: its name, or the tuple of its values."""
+  return arms_lib.name_of(arm) if isinstance(arm, (list, tuple)) else arm
 
 
 def load(path: str | pathlib.Path) -> Spec:

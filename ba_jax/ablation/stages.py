@@ -5,7 +5,8 @@ protocol. Files, in the study's results folder:
   (never reported).
 - ``plan``: ``PLAN.md``, the paired SD per comparison from the tuning runs
   (or a pilot's rows, ``--pilot=``) and the seeds a confirmation needs for
-  each of the spec's detectable differences.
+  each of the spec's detectable differences (and, from the pooled SD, at
+  Holm's first step over the family).
 - ``predict``: ``predictions.json`` and ``PREDICTIONS.md`` from the tuning
   runs alone; never rewritten once written. Commit them (with the spec).
 - ``confirm``: refuses unless the spec and both prediction files are
@@ -112,11 +113,21 @@ def plan(spec: Spec, outdir, *, pilot=None, log=print) -> str:
            "| cell | comparison | pairs | paired SD | MDD at the confirmation seeds | "
            + " | ".join(f"seeds for {m:g}" for m in spec.detectable) + " |",
            "|---|---|---:|---:|---:|" + "---:|" * len(spec.detectable)]
-  for r in planning.seeds_needed(spec, rows):
+  needed = planning.seeds_needed(spec, rows)
+  for r in needed:
     lines.append(f"| {r['cell']} | {r['comparison']} | {r['pairs']} | "
                  f"{texts._f(r['sd'], '.4f')} | {texts._f(r['mdd_at_confirm'], '.4f')} | "
                  + " | ".join(str(n) if n else "n/a" for n in r["seeds_for"].values())
                  + " |")
+  sd = planning.pooled_sd([r["sd"] for r in needed])
+  family = len(planning.holm_family(spec))
+  if sd > 0 and family > 1:
+    holm = [planning.seeds_for_family(spec, sd, m) for m in spec.detectable]
+    lines += ["", f"Pooled over these terms (root mean variance) the paired SD is "
+              f"{sd:.4f}; at Holm's first step over the {family} comparisons of "
+              f"the family (alpha {spec.alpha}/{family}) a confirmation needs "
+              + ", ".join(f"{h['holm_first']} seeds for {h['detectable']:g}" for h in holm)
+              + f" (the spec has {len(spec.confirm_seeds)})."]
   text = "\n".join(lines) + "\n"
   (outdir / "PLAN.md").write_text(text)
   log(text)

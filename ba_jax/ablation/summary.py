@@ -64,6 +64,10 @@ def summarise(workdir: str | pathlib.Path) -> dict:
       length_cv=_mean(series("length_cv_in_group")),
       length_cv_first=_mean(series("length_cv_in_group")[:1]),
       length_gap_in_group_rel=_mean(series("length_gap_in_group_rel")),
+      # the sampler-trainer gap a correction (tis, mis) works on, and the share
+      # of tokens it truncates or masks (NaN where the run does not log them)
+      mismatch_k3=_mean(series("mismatch_k3")),
+      mismatch_corrected_frac=_mean(series("mismatch_corrected_frac")),
       stability=dict(stability.report(records), **({"collapsed": True} if stopped else {})),
       curves={k: series(k) for k in CURVES},
       **({"ran_on": json.loads((workdir / "devices.json").read_text())}

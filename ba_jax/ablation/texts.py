@@ -68,7 +68,8 @@ def predictions_md(plan: dict) -> str:
   lines += [f"- Secondary (exploratory): `{s[0]}`, {s[1]}." for s in p["secondary"]]
   lines += ["", "## Rate choice", "",
             "The rate with the highest mean primary outcome over the tuning "
-            "seeds; ties (equal to 3 decimals) go to the lower rate.", "",
+            f"seeds; ties (equal to {p.get('tie_decimals', 3)} decimals) go to the "
+            "lower rate.", "",
             "| cell | arm | " + " | ".join(f"lr {lr:g}" for lr in p["rates"]) + " | chosen |",
             "|---|---|" + "---:|" * (len(p["rates"]) + 1)]
   for cell in p["cells"]:
@@ -239,6 +240,57 @@ def _arm_table(plan, rows, setting) -> list[str]:
   return lines
 
 
+MECHANISM = (("pos_share_minus_frac", "share - fraction", "+.3f"),
+             ("weight_length_corr", "weight-length corr", "+.2f"),
+             ("mismatch_k3", "sampler-trainer k3", ".1e"),
+             ("mismatch_corrected_frac", "tokens corrected", ".3f"))
+WITHIN = "loss.aggregation"  # the axis the mechanism checks are about
+
+
+def mechanism_by_axis(plan: dict, rows: list[dict], setting: str = "tuned") -> list[str]:
+  """With several arm axes: the mechanism checks (positive share minus
+  positive fraction, weight-length correlation, and a correction's: the
+  sampler-trainer gap and the tokens it corrected) per value of each axis
+  but the aggregation (per surrogate, per correction), and per aggregation
+  rule within it; means ± SD over the runs of every arm with those values
+  (all seeds, the other axes pooled). Nothing for a one-axis plan."""
+  keys = plan.get("arm_keys")
+  if not keys:
+    return []
+  values = {arm: dict(zip(keys, v)) for arm, v in plan["arm_values"].items()}
+  srows = setting_rows(plan, rows, setting)
+  inner = [WITHIN] if WITHIN in keys else []
+  lines = [f"## Mechanism checks per {' and per '.join(f'`{k}`' for k in keys if k not in inner)}"
+           f" ({setting} rates)", "",
+           "Positive share minus positive fraction (0 by construction under "
+           "`balanced` and `sequence`; under `token` it follows the subsets' "
+           "lengths) and the weight-length correlation, per run, pooled over "
+           "the seeds and the arms' other axes; beside them the sampler-trainer "
+           "gap a correction works on (k3 estimate of KL, `mismatch_k3`) and "
+           "the share of tokens it truncated or masked (n/a: no correction).", ""]
+  for key in keys:
+    if key in inner:
+      continue
+    lines += [f"| cell | `{key}` | " + "".join(f"`{k}` | " for k in inner)
+              + "runs | " + " | ".join(w for _, w, _ in MECHANISM) + " |",
+              "|---|---|" + "---|" * len(inner) + "---:|" + "---:|" * len(MECHANISM)]
+    for cell in plan["cells"]:
+      groups = dict.fromkeys((values[a][key], *(values[a][k] for k in inner))
+                             for a in plan["arms"])
+      for group in groups:
+        arms = {a for a in plan["arms"]
+                if (values[a][key], *(values[a][k] for k in inner)) == group}
+        rs = [r for r in srows if r["cell"] == cell and r["arm"] in arms]
+        if not rs:
+          continue
+        lines.append(f"| {cell} | " + " | ".join(str(v) for v in group) + f" | {len(rs)} | "
+                     + " | ".join(_pm([r.get(f) for r in rs], spec)
+                                  for f, _, spec in MECHANISM)
+                     + " |")
+    lines.append("")
+  return lines
+
+
 def _noise_lines(plan, rows, setting) -> list[str]:
   lines, srows = [], setting_rows(plan, rows, setting)
   for cell in plan["cells"]:
@@ -315,6 +367,7 @@ def report_md(plan: dict, rows: list[dict], n_tuning: int,
                    else "; exploratory, unadjusted:"), ""]
       lines += _tests_table(plan, rows, setting, outcome, confirmatory)
     lines.append("")
+  lines += mechanism_by_axis(plan, rows)
   lines += power_seen(plan, rows)
   lines += ["## How much of the seed-to-seed spread is sampling noise", "",
             "Binomial variance of a run's accuracy (p(1-p)/samples; held out: "

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ba_jax.config import schema
+from ba_jax.config.combinations import check_combination  # noqa: F401 (public name)
 
 SURROGATES = schema.SURROGATES
 CORRECTIONS = schema.CORRECTIONS
@@ -179,40 +180,3 @@ def correction_weights(old_logp, behaviour_logp, mask, *, correction: str,
       clipped = jnp.maximum(clipped, jnp.log(lo))
     return jnp.exp(clipped), outside
   return jnp.where(outside, 0.0, jnp.exp(jnp.where(outside, 0.0, log_rho))), outside
-
-
-def check_combination(*, surrogate: str, correction: str, aggregation: str,
-                      dual_clip: float | None = None, old_logp: str | None = None,
-                      correction_cap: float = 2.0,
-                      correction_floor: float | None = None,
-                      icepop_low: float = 0.5, icepop_high: float = 5.0) -> None:
-  """Raises a one-line ValueError for a combination without a meaning
-  (``old_logp``: ``rl.old_logp``; None skips the rule that needs it)."""
-  if surrogate not in SURROGATES:
-    raise ValueError(f"Unknown loss.surrogate {surrogate!r}; expected one of "
-                     f"{list(SURROGATES)}.")
-  if correction not in CORRECTIONS:
-    raise ValueError(f"Unknown loss.correction {correction!r}; expected one "
-                     f"of {list(CORRECTIONS)}.")
-  if surrogate == "luspo" and aggregation != "sequence":
-    raise ValueError(
-        f"loss.surrogate='luspo' with loss.aggregation={aggregation!r}: LUSPO's "
-        "length factor L[n] is defined against the sequence rule's 1/L[n] "
-        "(together: weight 1/N per token); for GSPO terms under another rule "
-        "use loss.surrogate='gspo'")
-  if dual_clip is not None and surrogate != "ppo_clip":
-    raise ValueError(
-        f"loss.dual_clip={dual_clip} with loss.surrogate={surrogate!r}: the "
-        "dual clip caps ppo_clip's token ratios only; set it to None")
-  if correction != "none" and old_logp == "sampler":
-    raise ValueError(
-        f"loss.correction={correction!r} with rl.old_logp='sampler': its weight "
-        "exp(old - sampler) is then 1 on every token; set rl.old_logp='recompute'")
-  if correction in ("tis_token", "tis_sequence", "mis_token", "mis_sequence") and (
-      correction_floor is not None and correction_floor >= correction_cap):
-    raise ValueError(
-        f"loss.correction_floor={correction_floor} must be below "
-        f"loss.correction_cap={correction_cap}")
-  if correction == "icepop" and icepop_low >= icepop_high:
-    raise ValueError(f"loss.icepop_low={icepop_low} must be below "
-                     f"loss.icepop_high={icepop_high}")
