@@ -31,6 +31,7 @@ Each verl cell must match its mapped cell and no other of ours (every
 surrogate x rule x correction, loss and gradient), so a swapped mapping
 fails.
 """
+import importlib
 import importlib.metadata
 import itertools
 import pathlib
@@ -44,12 +45,12 @@ import torch
 
 from ba_jax.loss import aggregation, losses, objectives
 
-_WHY = ("verl 0.9.1 pins transformers<5.11 (ba_jax needs >=5.24), so pip "
-        "installs it only with --no-deps; .ci/run does: "
-        "pip install --no-deps verl==0.9.1")
-core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason=_WHY)
-rollout_corr = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper",
-                                   reason=_WHY)
+core_algos = pytest.importorskip(
+    "verl.trainer.ppo.core_algos",
+    reason="verl 0.9.1 pins transformers<5.11 (ba_jax needs >=5.24), so it "
+    "installs only without its dependencies, as .ci/run does: "
+    "pip install --no-deps verl==0.9.1")
+rollout_corr = importlib.import_module("verl.trainer.ppo.rollout_corr_helper")
 
 G = 4
 LENGTHS = [3, 10, 6, 0, 8, 2, 10, 5, 4, 7, 1, 9]
