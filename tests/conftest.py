@@ -16,3 +16,20 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(
     pathlib.Path(__file__).resolve().parents[1] / ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+
+import pytest  # pylint: disable=wrong-import-position
+
+
+@pytest.fixture
+def git_repo(tmp_path, monkeypatch):
+  """``tmp_path`` as the working directory and an empty git repository, with
+  a committer identity (the protocol guard's tests commit there)."""
+  from ba_jax.ablation import protocol  # pylint: disable=import-outside-toplevel
+  for k in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
+    monkeypatch.setenv(k, "t")
+  for k in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
+    monkeypatch.setenv(k, "t@example.invalid")
+  monkeypatch.chdir(tmp_path)
+  protocol.git(["init", "-q"], tmp_path)
+  return tmp_path

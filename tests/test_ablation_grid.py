@@ -250,17 +250,11 @@ def test_the_surrogate_grid_is_sized_by_its_planner(capsys):
 
 
 @pytest.mark.slow
-def test_a_grid_of_real_tiny_runs_end_to_end(tmp_path, monkeypatch):
+def test_a_grid_of_real_tiny_runs_end_to_end(tmp_path, monkeypatch, git_repo):
   """A 2x2 grid (surrogate x correction), one rate, two seeds, 1 RL step
   each, two runs at a time; plan (from the confirmation rows as a pilot),
   predict, confirm and report in a git repository made here."""
-  for k in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
-    monkeypatch.setenv(k, "t")
-  for k in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
-    monkeypatch.setenv(k, "t@example.invalid")
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
-  monkeypatch.chdir(tmp_path)
-  protocol.git(["init", "-q"], tmp_path)
   (tmp_path / "study").mkdir()
   (tmp_path / "study" / "spec.py").write_text(f'''
 from ba_jax.ablation.arms import grid

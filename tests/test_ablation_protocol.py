@@ -64,12 +64,8 @@ def git(repo, *args):
 
 
 @pytest.fixture
-def study(tmp_path, monkeypatch):
-  for k, v in (("GIT_AUTHOR_NAME", "t"), ("GIT_AUTHOR_EMAIL", "t@example.invalid"),
-               ("GIT_COMMITTER_NAME", "t"), ("GIT_COMMITTER_EMAIL", "t@example.invalid")):
-    monkeypatch.setenv(k, v)
-  monkeypatch.chdir(tmp_path)
-  git(tmp_path, "init", "-q")
+def study(git_repo):
+  tmp_path = git_repo
   (tmp_path / "study").mkdir()
   (tmp_path / "study" / "spec.py").write_text(SPEC)
   (tmp_path / "code.py").write_text("x = 1\n")

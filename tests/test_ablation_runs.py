@@ -63,15 +63,9 @@ def test_a_run_stopped_by_the_nonfinite_guard_scores_zero_for_what_is_missing(tm
 
 
 @pytest.mark.slow
-def test_a_study_of_real_tiny_runs_end_to_end(tmp_path, monkeypatch):
+def test_a_study_of_real_tiny_runs_end_to_end(tmp_path, monkeypatch, git_repo):
   """Two rules, one rate, two seeds, 1 RL step each, as subprocesses two at
   a time; the protocol committed in a git repository made here."""
-  for k in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
-    monkeypatch.setenv(k, "t")
-  for k in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
-    monkeypatch.setenv(k, "t@example.invalid")
-  monkeypatch.chdir(tmp_path)
-  protocol.git(["init", "-q"], tmp_path)
   (tmp_path / "study").mkdir()
   (tmp_path / "study" / "spec.py").write_text(f'''
 def get_spec():

@@ -180,17 +180,12 @@ def test_a_plan_sd_without_a_margin_or_a_negative_margin_is_refused(tmp_path, fl
     compare_trl.main(flags + ["--report_only", f"--out={tmp_path / 'x.md'}"])
 
 
-def test_a_protocol_file_must_be_committed_and_decides_the_criteria(tmp_path, monkeypatch):
+def test_a_protocol_file_must_be_committed_and_decides_the_criteria(tmp_path, monkeypatch, git_repo):
   """--protocol: the guard of ba_jax.ablation.protocol, the file's criteria
   set on the arguments, a contradicting flag refused, and the record
   printed in the results."""
   from ba_jax.ablation import protocol
   from experiments.studies.compare_trl import compare_trl_report as report
-  for k in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
-    monkeypatch.setenv(k, "t")
-  for k in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
-    monkeypatch.setenv(k, "t@example.invalid")
-  protocol.git(["init", "-q"], tmp_path)
   (tmp_path / "code.py").write_text("x = 1\n")
   path = tmp_path / "protocol.json"
   path.write_text(json.dumps(dict(seeds=[6, 7], margin=0.03, plan_sd=0.04)))
