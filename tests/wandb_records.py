@@ -5,6 +5,7 @@ images lie under ``files/``."""
 import glob
 import json
 import os
+import time
 
 
 def offline_env(monkeypatch, root) -> None:
@@ -21,10 +22,11 @@ def runs(root) -> list[str]:
   return sorted(glob.glob(os.path.join(str(root), "dir", "wandb", "offline-run-*")))
 
 
-def records(run_dir):
+def _parse(data: bytes) -> list:
+  """The whole records of ``data``, a ``.wandb`` file's bytes (a record
+  still being written at its end is left out)."""
   from wandb.proto import wandb_internal_pb2
-  (path,) = glob.glob(os.path.join(run_dir, "*.wandb"))
-  data, block = open(path, "rb").read(), 32 * 1024
+  block, out = 32 * 1024, []
   assert data[:4] == b":W&B", data[:8]
   pos, pending = 7, b""
   while pos + 7 <= len(data):
@@ -33,13 +35,34 @@ def records(run_dir):
       continue
     length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
     chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+    if len(chunk) < length:  # the writer is still writing this chunk
+      break
     if kind == 0:  # zero padding
       continue
     pending = chunk if kind in (1, 2) else pending + chunk
     if kind in (1, 4):  # FULL or LAST
       record = wandb_internal_pb2.Record()
       record.ParseFromString(pending)
-      yield record
+      out.append(record)
+  return out
+
+
+def records(run_dir, timeout: float = 120.0) -> list:
+  """The run's records, read once its file ends with the ``exit`` record:
+  ``run.finish()`` can return before W&B's service has written the last
+  records (the history among them), so a reader right after it may find the
+  file partly written."""
+  (path,) = glob.glob(os.path.join(run_dir, "*.wandb"))
+  deadline = time.monotonic() + timeout
+  while True:
+    found = _parse(open(path, "rb").read())
+    if found and found[-1].WhichOneof("record_type") == "exit":
+      return found
+    if time.monotonic() > deadline:
+      raise AssertionError(
+          f"{path} has no exit record after {timeout:.0f} s: "
+          f"{[r.WhichOneof('record_type') for r in found]}")
+    time.sleep(0.2)
 
 
 def of_type(run_dir, kind: str) -> list:
