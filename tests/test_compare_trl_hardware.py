@@ -97,6 +97,16 @@ def test_the_matmul_floor_note_appears_beside_the_ratio_above_its_tolerance(tmp_
       assert ("**Matmul floors differ" in line) == shown
 
 
+def test_a_floor_matched_protocol_refuses_a_host_whose_floors_differ():
+  hardware.check_floor_match(dict(jax=186.0, torch=160.0, n=2048), 1.3)
+  hardware.check_floor_match(dict(jax=534.0, torch=237.0, n=2048), 0)  # no check asked
+  with pytest.raises(ValueError, match=r"floor_match=1.3: .*JAX 534 and torch 237 GFLOP/s "
+                     r"\(2048x2048\), a ratio of 2.25; expected at most 1.3"):
+    hardware.check_floor_match(dict(jax=534.0, torch=237.0, n=2048), 1.3)
+  with pytest.raises(ValueError, match="a ratio of unknown"):
+    hardware.check_floor_match(dict(jax=534.0, n=2048), 1.3)
+
+
 def test_a_warm_cache_says_trl_had_no_warm_start():
   part = _part(TWO, TWO)
   assert "cold against cold" in hardware.cache_line(part)
@@ -146,14 +156,15 @@ def test_the_rerun_protocols_use_fresh_seeds_and_known_keys(path):
   assert used and not used & set(stated["seeds"]), f"{path.name}: seeds already run"
 
 
-def test_the_accuracy_margin_is_the_pilots_detectable_difference():
-  """equal_threads.json's margin: the one-sided detectable difference (power
-  0.8) at its seed count, from the pooled SD of the paired sampled-accuracy
+@pytest.mark.parametrize("name", ["equal_threads", "matched_floor"])
+def test_the_accuracy_margin_is_the_pilots_detectable_difference(name):
+  """The protocol's margin: the one-sided detectable difference (power 0.8)
+  at its seed count, from the pooled SD of the paired sampled-accuracy
   differences of the 16-seed run, rounded up to 3 decimals."""
   import math  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from ba_jax.ablation import stats  # pylint: disable=import-outside-toplevel
-  stated = json.loads((RESULTS.parent / "protocols" / "equal_threads.json").read_text())
+  stated = json.loads((RESULTS.parent / "protocols" / f"{name}.json").read_text())
   pilot = json.loads((RESULTS / "compare_trl_16seeds.json").read_text())["train"]
   variances = []
   for loss in pilot["losses"]:

@@ -38,7 +38,7 @@ config in both trainers (no held-out evaluation): seconds per step, ratio.
 
 ``--protocol=FILE`` reads part 1's pre-stated criteria and arm (any of
 ``config``, ``seeds``, ``losses``, ``steps``, ``margin``, ``plan_sd``, ``speed_ratio``,
-``speed_plan_sd``, ``torch_threads``, ``cores``, ``warm_cache``; a JSON
+``speed_plan_sd``, ``torch_threads``, ``cores``, ``warm_cache``, ``floor_match``; a JSON
 object; protocols/ holds the committed ones) from a file that must be committed and
 unchanged at HEAD, on a clean tree (``--allow_dirty`` lets a dirty one
 through and the results say so): ``ba_jax.ablation.protocol.guard``. Every
@@ -53,7 +53,8 @@ the pair's TRL run (``--torch_threads=N``: N only). Every run record holds
 its side's threads per phase (generation, update) and its compilation-cache
 state; the results file states whether the two sides' threads differed, and
 each library's float32 matmul rate measured at the start, with a note beside
-the ratio when they differ by more than 1.3x.
+the ratio when they differ by more than 1.3x (``--floor_match=R`` refuses
+to start where they differ by more than R: a headline's host).
 
 Results: ``--out`` (markdown; raw numbers in the .json next to it, merged
 across invocations so the parts can run separately) and the curves' PNG.
@@ -73,6 +74,7 @@ import sys
 import time
 
 from ba_jax.ablation import protocol as protocol_lib
+from experiments.studies.compare_trl import compare_trl_hardware as hardware
 from experiments.studies.compare_trl import compare_trl_report as report_lib
 from experiments.studies.compare_trl.compare_trl_runs import (LOSS_TYPES, REPO, Evaluator, cell_config,
                               load_config, matmul_gflops, run_ours, run_trl,
@@ -95,7 +97,7 @@ def _save(path: pathlib.Path, record: dict) -> dict:
 
 
 PROTOCOL_KEYS = ("config", "seeds", "losses", "steps", "margin", "plan_sd", "speed_ratio",
-                 "speed_plan_sd", "torch_threads", "cores", "warm_cache")
+                 "speed_plan_sd", "torch_threads", "cores", "warm_cache", "floor_match")
 
 
 def check_cores(cores: int) -> None:
@@ -376,6 +378,10 @@ def main(argv=None):
                  help="refuse to run unless this process may use exactly this "
                       "many CPUs (the one-core arm: `taskset -c 0 ... --cores=1`; "
                       "0: no check)")
+  p.add_argument("--floor_match", type=float, default=0.0,
+                 help="refuse to start unless the two libraries' float32 matmul "
+                      "floors measured at the start are within this ratio of "
+                      "each other (0: no check)")
   p.add_argument("--matmul_n", type=int, default=2048,
                  help="size of the floor reference's square matmul")
   p.add_argument("--fresh", action="store_true",
@@ -421,6 +427,7 @@ def main(argv=None):
           "%Y-%m-%d %H:%M UTC"), host=_host(args.matmul_n))
   log(f"host: {meta['host']['cpu']}; matmul GFLOP/s "
       f"{meta['host']['matmul_gflops']}")
+  hardware.check_floor_match(meta["host"]["matmul_gflops"], args.floor_match)
   for part in args.parts:
     if part == "train":
       results["train"] = dict(part_train(args, log, stamp), meta=_ended(meta),

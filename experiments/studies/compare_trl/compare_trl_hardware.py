@@ -99,14 +99,36 @@ def thread_lines(part: dict) -> list[str]:
   return [line + how]
 
 
+def floor_ratio(gflops: dict) -> float | None:
+  """The larger over the smaller of the two libraries' matmul rates
+  (``matmul_gflops``'s record); None when one is missing."""
+  if not gflops.get("jax") or not gflops.get("torch"):
+    return None
+  return max(gflops["jax"], gflops["torch"]) / min(gflops["jax"], gflops["torch"])
+
+
+def check_floor_match(gflops: dict, limit: float) -> None:
+  """``floor_match=limit`` (a protocol key): refuse to start unless the two
+  libraries' matmul floors, just measured, are within ``limit`` of each
+  other, so that a headline ratio is not the kernels' (0: no check)."""
+  if not limit:
+    return
+  ratio = floor_ratio(gflops)
+  if ratio is None or ratio > limit:
+    raise ValueError(
+        f"floor_match={limit:g}: this host's float32 matmul floors are JAX "
+        f"{gflops.get('jax', 0):.0f} and torch {gflops.get('torch', 0):.0f} GFLOP/s "
+        f"({gflops.get('n')}x{gflops.get('n')}), a ratio of "
+        f"{'unknown' if ratio is None else f'{ratio:.2f}'}; expected at most {limit:g}: "
+        "run this protocol on a host where they match")
+
+
 def floor_note(part: dict) -> str:
   """A sentence when the two libraries' float32 matmul rates measured at
   the part's start differ by more than FLOOR_TOLERANCE (empty otherwise)."""
   g = _host(part).get("matmul_gflops") or {}
-  if not g.get("jax") or not g.get("torch"):
-    return ""
-  ratio = max(g["jax"], g["torch"]) / min(g["jax"], g["torch"])
-  if ratio <= FLOOR_TOLERANCE:
+  ratio = floor_ratio(g)
+  if ratio is None or ratio <= FLOOR_TOLERANCE:
     return ""
   faster = "JAX" if g["jax"] > g["torch"] else "torch"
   return (f" **Matmul floors differ {ratio:.2f}x** on this host ({g['n']}x{g['n']} "
