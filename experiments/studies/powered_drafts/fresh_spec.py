@@ -1,7 +1,9 @@
 """The powered aggregation ablation's confirmation on fresh seeds (20-39;
 seeds 0-19 were the first confirmation, see README.md), with the
 non-inferiority margin set from the tuning runs' power and the rates tuned
-on a finer grid with more seeds. Not run yet:
+on a finer grid with more seeds. Tuning partly run (102 of 144
+runs in fresh_results/tuning.jsonl; the tune stage resumes them); the
+rest not run yet:
 
     python -m ba_jax.ablate --spec=experiments/studies/powered_drafts/fresh_spec.py --stage=tune
     python -m ba_jax.ablate --spec=experiments/studies/powered_drafts/fresh_spec.py --stage=plan
