@@ -26,7 +26,9 @@ T = 7
 MAX_LEN = 9  # dr_grpo's constant
 OPTIONS = dict(eps_low=0.2, eps_high=0.28, cispo_cap=1.3, sapo_tau_pos=1.0,
                sapo_tau_neg=1.05, correction_cap=2.0, correction_floor=0.6,
-               icepop_low=0.5, icepop_high=2.5)
+               icepop_low=0.5, icepop_high=2.5, dro_beta=0.7, dppo_tv_low=0.1,
+               dppo_tv_high=0.05, dppo_kl_low=0.03, dppo_kl_high=0.011,
+               dppo_cap=1.3, kl_cov_ratio=0.2, kl_cov_coef=0.5)
 
 
 def _data(seed=0):
@@ -97,6 +99,32 @@ def _ref_correction(o, b, m, kind):
   return c
 
 
+def _ref_kl_cov_tokens(lp, m, adv):
+  """KL-Cov's tokens: the max(1, int(ratio n)) largest covariances among the
+  n response tokens of the call (the whole test batch)."""
+  tokens = [(i, t) for i in range(len(m)) for t in range(T) if m[i][t]]
+  mean_a = sum(adv[i] for i, _ in tokens) / len(tokens)
+  mean_lp = sum(lp[i][t] for i, t in tokens) / len(tokens)
+  cov = sorted(((adv[i] - mean_a) * (lp[i][t] - mean_lp), (i, t)) for i, t in tokens)
+  k = max(1, int(OPTIONS["kl_cov_ratio"] * len(tokens)))
+  return {cell for _, cell in cov[-k:]}, [c for c, _ in cov]
+
+
+def _ref_binary_kl(o, lp):
+  p, po, eps = math.exp(lp), math.exp(o), objectives.DPPO_KL_EPS
+  return po * (o - lp) + (1 - po) * math.log((1 - po + eps) / (1 - p + eps))
+
+
+def _dppo(a, lp, o, divergence):
+  """(term, d term / d logp) of DPPO-Binary-TV/KL."""
+  p, po, r = math.exp(lp), math.exp(o), math.exp(lp - o)
+  low, high = OPTIONS[f"dppo_{divergence}_low"], OPTIONS[f"dppo_{divergence}_high"]
+  size = p - po if divergence == "tv" else math.copysign(_ref_binary_kl(o, lp), p - po)
+  outside = (a > 0 and size > high) or (a < 0 and size < -low)
+  weight = 0.0 if outside else min(r, OPTIONS["dppo_cap"])
+  return -a * weight * lp, -a * weight
+
+
 def _ppo(a, r):
   """(term, d term / d log r) of PPO-clip at ratio r."""
   el, eh = OPTIONS["eps_low"], OPTIONS["eps_high"]
@@ -109,6 +137,7 @@ def _reference(logp, old, behaviour, mask, adv, surrogate, correction, rule):
   lp, o, b, m = (x.astype(np.float64).tolist() for x in (logp, old, behaviour, mask))
   w = _ref_weights(m, adv, rule)
   c = _ref_correction(o, b, m, correction)
+  chosen = _ref_kl_cov_tokens(lp, m, adv)[0] if surrogate == "kl_cov" else set()
   loss, grad = 0.0, np.zeros((len(m), T))
   for i in range(len(m)):
     a = float(adv[i])
@@ -144,6 +173,18 @@ def _reference(logp, old, behaviour, mask, adv, surrogate, correction, rule):
       elif surrogate == "cispo":
         weight = min(r, OPTIONS["cispo_cap"])
         term, dterm = -weight * a * lp[i][t], -weight * a
+      elif surrogate == "gpg":
+        term, dterm = -a * lp[i][t], -a
+      elif surrogate == "dro":
+        beta, d = OPTIONS["dro_beta"], lp[i][t] - o[i][t]
+        term, dterm = -(a * lp[i][t] - 0.5 * beta * d * d), -a + beta * d
+      elif surrogate in ("dppo_tv", "dppo_kl"):
+        term, dterm = _dppo(a, lp[i][t], o[i][t], surrogate[5:])
+      elif surrogate == "kl_cov":
+        term, dterm = -a * r, -a * r
+        if (i, t) in chosen:
+          d, coef = lp[i][t] - o[i][t], OPTIONS["kl_cov_coef"]
+          term, dterm = term + coef * abs(d), dterm + coef * math.copysign(1, d)
       else:  # sapo
         tau = OPTIONS["sapo_tau_pos"] if a > 0 else OPTIONS["sapo_tau_neg"]
         sig = 1.0 / (1.0 + math.exp(-tau * (r - 1.0)))
@@ -186,6 +227,24 @@ def test_the_data_reach_every_branch(data):
   assert (rho_seq > OPTIONS["correction_cap"]).any() and (rho_seq < OPTIONS["correction_floor"]).any()
   assert ((rho_seq >= OPTIONS["correction_floor"]) & (rho_seq <= OPTIONS["correction_cap"])).any()
   assert (r > OPTIONS["cispo_cap"]).sum() >= 3
+  # DPPO: tokens outside each trust region for both signs of A, inside
+  # tokens whose weight the cap truncates, no divergence within float32
+  # reach of its threshold, and the two divergences disagreeing somewhere.
+  a = np.broadcast_to(adv[:, None], mask.shape)[on]
+  rise = (np.exp(logp.astype(np.float64)) - np.exp(old.astype(np.float64)))[on]
+  kl = np.array([_ref_binary_kl(o_, l_) for o_, l_ in zip(old[on].astype(float),
+                                                          logp[on].astype(float))])
+  outside = {}
+  for name, size in (("tv", rise), ("kl", np.sign(rise) * kl)):
+    low, high = OPTIONS[f"dppo_{name}_low"], OPTIONS[f"dppo_{name}_high"]
+    outside[name] = ((a > 0) & (size > high)) | ((a < 0) & (size < -low))
+    assert ((a > 0) & (size > high)).sum() >= 2 and ((a < 0) & (size < -low)).sum() >= 2
+    assert np.abs(np.abs(size) - high).min() > 1e-5 and np.abs(np.abs(size) - low).min() > 1e-5
+    assert (~outside[name] & (a != 0) & (r > OPTIONS["dppo_cap"])).sum() >= 2
+  assert (outside["tv"] != outside["kl"]).sum() >= 2
+  # KL-Cov: several tokens chosen, separated from the next one.
+  chosen, cov = _ref_kl_cov_tokens(logp.astype(float).tolist(), mask.tolist(), adv.tolist())
+  assert len(chosen) >= 4 and cov[-len(chosen)] - cov[-len(chosen) - 1] > 1e-4
 
 
 @pytest.mark.parametrize("surrogate,correction,rule", list(_cells()))
@@ -278,6 +337,97 @@ def test_corrections_are_exactly_the_identity_when_old_equals_behaviour(data):
     np.testing.assert_array_equal(ours[1], base[1])
 
 
+NEW_TOKEN_TERMS = ("gpg", "dro", "dppo_tv", "dppo_kl", "kl_cov")
+
+
+@pytest.mark.parametrize("rule", schema.AGGREGATIONS)
+def test_on_policy_every_log_prob_term_has_the_policy_gradient(data, rule):
+  """Where the current log-probs are the old ones (r = 1, the first
+  mini-batch of an epoch), DRO's penalty and KL-Cov's |log r| have zero
+  gradient, every token is inside DPPO's trust region with weight 1, and
+  CISPO's weight is 1: all have GPG's gradient -A w c (their values
+  differ: kl_cov and ppo_clip give -A, the rest -A logp)."""
+  logp, _, behaviour, mask, adv = data
+  gpg = _ours(logp, logp, behaviour, mask, adv, "gpg", "tis_token", rule)
+  for surrogate in ("dro", "dppo_tv", "dppo_kl", "cispo", "kl_cov", "ppo_clip"):
+    other = _ours(logp, logp, behaviour, mask, adv, surrogate, "tis_token", rule)
+    np.testing.assert_allclose(other[1], gpg[1], rtol=1e-6, atol=1e-9, err_msg=surrogate)
+  # ... and the gradient is the weights times -A c.
+  w = aggregation.token_weights(mask, adv, mode=rule, group_size=G, max_response_len=MAX_LEN)
+  c, _ = objectives.correction_weights(logp, behaviour, mask, correction="tis_token",
+                                       cap=OPTIONS["correction_cap"],
+                                       floor=OPTIONS["correction_floor"])
+  np.testing.assert_allclose(gpg[1], -np.asarray(w * c) * adv[:, None], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("surrogate", ["dppo_tv", "dppo_kl"])
+def test_dppo_without_a_trust_region_is_cispo(data, surrogate):
+  """Thresholds no token reaches leave DPPO's truncated IS weight alone:
+  -sg(min(r, dppo_cap)) A logp, which is CISPO with cispo_cap = dppo_cap."""
+  wide = dict(dppo_tv_low=1.0, dppo_tv_high=1.0, dppo_kl_low=1e9, dppo_kl_high=1e9)
+  dppo = _ours(*data, surrogate, "mis_token", "balanced", **wide)
+  cispo = _ours(*data, "cispo", "mis_token", "balanced", cispo_cap=OPTIONS["dppo_cap"])
+  assert dppo[0] == cispo[0]
+  np.testing.assert_array_equal(dppo[1], cispo[1])
+  narrow = _ours(*data, surrogate, "mis_token", "balanced")
+  assert np.abs(narrow[1] - cispo[1]).max() > 1e-3
+
+
+def test_dppo_reports_masked_and_truncated_tokens_as_clips(data):
+  """DPPO's masks fill the clip fractions: masked for A < 0 (low), A > 0
+  (high), and tokens inside the region whose weight the cap truncated
+  (dual), each over the response tokens."""
+  logp, old, _, mask, adv = data
+  for surrogate in ("dppo_tv", "dppo_kl"):
+    _, ratio, low, high, dual = objectives.surrogate_terms(
+        logp, old, adv, mask, surrogate=surrogate, **{
+            k: v for k, v in OPTIONS.items() if k.startswith(("dppo", "eps"))})
+    metrics = losses.policy_loss(logp, old, adv, mask, group_size=G,
+                                 aggregation="token", surrogate=surrogate,
+                                 **{k: v for k, v in OPTIONS.items() if k.startswith("dppo")})[1]
+    on = mask > 0
+    for name, m in (("low", low), ("high", high), ("dual", dual)):
+      assert np.asarray(m)[on].sum() >= 2, (surrogate, name)
+      assert float(metrics[f"clip_frac_{name}"]) == pytest.approx(
+          np.asarray(m)[on].mean(), abs=1e-7)
+    assert not (np.asarray(low) & (adv[:, None] >= 0)).any()
+    assert not (np.asarray(high) & (adv[:, None] <= 0)).any()
+    assert not (np.asarray(dual) & (np.asarray(low) | np.asarray(high))).any()
+
+
+def test_kl_cov_picks_max_one_floor_ratio_n_tokens():
+  rng = np.random.default_rng(3)
+  logp = jnp.asarray(rng.normal(size=(4, 9)), jnp.float32)
+  adv = jnp.asarray([1.0, -1.0, 0.5, 0.0])
+  for lengths, ratio, count in [([9, 9, 9, 9], 0.1, 3), ([9, 9, 9, 9], 0.01, 1),
+                                ([2, 0, 1, 0], 1.0, 3), ([0, 0, 0, 0], 0.5, 0),
+                                ([9, 5, 9, 0], 0.25, 5)]:
+    mask = jnp.asarray(np.arange(9)[None] < np.array(lengths)[:, None])
+    chosen = objectives.top_covariance_tokens(adv, logp, mask, ratio)
+    assert int(jnp.sum(chosen)) == count and not bool(jnp.any(chosen & ~mask))
+
+
+def test_kl_cov_depends_on_how_the_mini_batch_is_split(data):
+  """KL-Cov picks its tokens among the loss call's (as verl does per
+  micro-batch): two halves with the whole batch's weights sum to another
+  loss than one call; without the penalty they sum to the same."""
+  logp, old, behaviour, mask, adv = data
+  w = aggregation.token_weights(mask, adv, mode="balanced", group_size=G)
+  def split_loss(coef):
+    parts = [losses.policy_loss(logp[s], old[s], adv[s], mask[s], group_size=G,
+                                aggregation="balanced", weights=w[s], surrogate="kl_cov",
+                                kl_cov_ratio=OPTIONS["kl_cov_ratio"], kl_cov_coef=coef)[0]
+             for s in (slice(0, 4), slice(4, 8))]
+    whole = losses.policy_loss(logp, old, adv, mask, group_size=G, aggregation="balanced",
+                               weights=w, surrogate="kl_cov",
+                               kl_cov_ratio=OPTIONS["kl_cov_ratio"], kl_cov_coef=coef)[0]
+    return float(sum(parts)), float(whole)
+  parts, whole = split_loss(0.0)
+  assert abs(parts - whole) <= 1e-6
+  parts, whole = split_loss(OPTIONS["kl_cov_coef"])
+  assert abs(parts - whole) > 1e-4
+
+
 # --- refusals at config time -------------------------------------------------
 
 REFUSED = [
@@ -291,6 +441,15 @@ REFUSED = [
       "loss.correction_floor": 2.0}, "loss.correction_floor=2.0 must be below"),
     ({"loss.correction": "icepop", "rl.old_logp": "recompute", "loss.icepop_low": 6.0},
      "loss.icepop_low=6.0 must be below"),
+    ({"loss.surrogate": "dro"}, "loss.surrogate='dro' with loss.dro_beta=None"),
+    ({"loss.surrogate": "dro", "loss.dro_beta": 0.0}, "loss.dro_beta=0.0: expected > 0"),
+    ({"loss.surrogate": "dro", "loss.dro_beta": -1.0}, "loss.dro_beta=-1.0: expected > 0"),
+    ({"loss.dppo_tv_high": 1.5}, "loss.dppo_tv_high=1.5: expected in [0, 1]"),
+    ({"loss.dppo_kl_low": -0.1}, "loss.dppo_kl_low=-0.1: expected >= 0"),
+    ({"loss.dppo_cap": 0.0}, "loss.dppo_cap=0.0: expected > 0"),
+    ({"loss.kl_cov_ratio": 0.0}, "loss.kl_cov_ratio=0.0: expected in (0, 1]"),
+    ({"loss.kl_cov_ratio": 1.5}, "loss.kl_cov_ratio=1.5: expected in (0, 1]"),
+    ({"loss.kl_cov_coef": -0.5}, "loss.kl_cov_coef=-0.5: expected >= 0"),
     ({"loss.surrogate": "ppo_kl"}, "loss.surrogate='ppo_kl': expected one of"),
     ({"loss.correction": "tis"}, "loss.correction='tis': expected one of"),
 ]
@@ -307,9 +466,10 @@ def test_meaningless_combinations_are_refused_with_one_line(overrides, message):
 
 def test_every_other_combination_is_accepted():
   """Each surrogate with each correction (rl.old_logp=recompute) and rule,
-  luspo under sequence only, passes the config checks."""
+  luspo under sequence only (dro with its beta), passes the config checks."""
   for surrogate, correction, rule in _cells():
     config = tu.smoke_config(**{"loss.surrogate": surrogate, "loss.correction": correction,
-                                "loss.aggregation": rule, "rl.old_logp": "recompute"})
+                                "loss.aggregation": rule, "rl.old_logp": "recompute",
+                                "loss.dro_beta": 0.5})
     cfg = checks.step_config(schema.parse(config))
     assert (cfg.surrogate, cfg.correction, cfg.aggregation) == (surrogate, correction, rule)

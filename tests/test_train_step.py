@@ -66,6 +66,27 @@ def test_sharded_step_equals_single_device_step():
 
 
 @pytest.mark.slow
+def test_kl_cov_sharded_step_equals_single_device_step():
+  """KL-Cov picks its tokens among the whole micro-batch's, all devices
+  together (a sort over the sharded rows): the step on 8 devices equals the
+  step on one, as for the other terms."""
+  cfg = ts.StepConfig(group_size=4, aggregation="balanced", surrogate="kl_cov",
+                      kl_cov_ratio=0.1, kl_cov_coef=1.0, num_minibatches=2)
+  batch = tu.rollout_batch(1, n=16)
+  results = []
+  for mesh in (sharding_lib.make_mesh({"data": 4, "fsdp": 2, "tensor": 1}),
+               sharding_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1},
+                                      devices=jax.devices()[:1])):
+    state, step, place = _setup(mesh, cfg=cfg, eps=1e-3)
+    state, metrics = step(state, place(batch))
+    results.append((tu.host_params(state), jax.device_get(metrics)))
+  (p8, m8), (p1, m1) = results
+  assert tu.max_abs_diff(p8, p1) < 1e-5  # as in the ppo_clip test above
+  for name in ("loss", "grad_norm", "pg_loss_sum"):
+    np.testing.assert_allclose(m8[name], m1[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_step_compiles_once_across_batches():
   mesh = sharding_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
   model_cfg = tu.tiny_model_config()

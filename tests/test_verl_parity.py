@@ -19,12 +19,17 @@ The mapping (docs/aggregation.md, "Which peer calls each cell what"):
 is our surrogate (`vanilla` -> ppo_clip with dual_clip = `clip_ratio_c`,
 which verl always applies; `gspo` -> gspo_token; `geo_mean` -> gmpo and
 `sapo` -> sapo, both under sequence whatever `loss_agg_mode` says;
-`cispo` -> cispo with `1 + clip_ratio_high` = cispo_cap and no lower clip);
+`cispo` -> cispo with `1 + clip_ratio_high` = cispo_cap and no lower clip;
+`gpg` -> gpg; `dro` -> dro with `dro_beta`; `dppo_tv`/`dppo_kl` ->
+dppo_tv/dppo_kl with `clip_ratio_low`/`clip_ratio_high` as the divergence
+thresholds and `clip_ratio_c` as dppo_cap; `kl_cov` -> kl_cov with
+`kl_cov_ratio` and `ppo_kl_coef` as kl_cov_coef);
 `rollout_is` x `rollout_is_threshold` is our correction (token/sequence
 with a cap -> tis_token/tis_sequence without a floor; with "low_high" ->
-icepop (= mis_token) / mis_sequence). Not mapped: `gpg`, `dro`, `clip_cov`,
-`kl_cov`, `dppo_tv`, `dppo_kl`, `token-sum` (N times dr_grpo with 1, tested
-below), IS batch normalisation; `geo_mean` with a token-level correction and
+icepop (= mis_token) / mis_sequence). Not mapped: `clip_cov` (it zeroes the
+gradient of a random subset of tokens, drawn with torch.randperm; see
+docs/aggregation.md), `token-sum` (N times dr_grpo with 1, tested below),
+IS batch normalisation; `geo_mean` with a token-level correction and
 rejection sampling differ from ours, and the tests below pin down how.
 
 Each verl cell must match its mapped cell and no other of ours (every
@@ -60,6 +65,11 @@ DUAL = 3.0          # verl's clip_ratio_c default, always applied by `vanilla`
 NO_DUAL = 1e4       # a clip_ratio_c no token reaches: the dual clip off
 CISPO_CAP = 1.3
 TAU_POS, TAU_NEG = 1.0, 1.05
+DRO_BETA = 1.0
+DPPO_TV = (0.12, 0.08)     # (low, high): verl's clip_ratio_low/high for dppo_tv
+DPPO_KL = (0.03, 0.045)    # the same for dppo_kl, in nats
+DPPO_CAP = DUAL            # verl passes its clip_ratio_c (default 3.0)
+KL_COV_RATIO, KL_COV_COEF = 0.1, 1.0
 SCALE = 16          # loss_scale_factor, the dr_grpo constant
 CAP, FLOOR = 2.0, 0.6
 LOW, HIGH = 0.5, 2.5  # IcePop's bounds
@@ -76,7 +86,9 @@ SURROGATES = {
     "ppo_clip": ("ppo_clip", None), "ppo_clip@dual": ("ppo_clip", DUAL),
     "gspo": ("gspo", None), "gspo_token": ("gspo_token", None),
     "gmpo": ("gmpo", None), "cispo": ("cispo", None), "sapo": ("sapo", None),
-    "luspo": ("luspo", None)}
+    "luspo": ("luspo", None), "gpg": ("gpg", None), "dro": ("dro", None),
+    "dppo_tv": ("dppo_tv", None), "dppo_kl": ("dppo_kl", None),
+    "kl_cov": ("kl_cov", None)}
 # Our rules: key -> (loss.aggregation, loss.max_response_len).
 RULES = {"token": ("token", None), "sequence": ("sequence", None),
          f"dr_grpo@{SCALE}": ("dr_grpo", SCALE), "dr_grpo@1": ("dr_grpo", 1),
@@ -103,6 +115,11 @@ VERL_LOSSES = {
     "geo_mean": ("gmpo", "sequence"),
     "cispo": ("cispo", None),
     "sapo": ("sapo", "sequence"),
+    "gpg": ("gpg", None),
+    "dro": ("dro", None),
+    "dppo_tv": ("dppo_tv", None),
+    "dppo_kl": ("dppo_kl", None),
+    "kl_cov": ("kl_cov", None),
 }
 # verl loss_agg_mode -> our rule.
 VERL_RULES = {"token-mean": "token", "seq-mean-token-mean": "sequence",
@@ -145,6 +162,13 @@ def _config(loss_key: str, mask, **overrides):
                  tau_pos=TAU_POS, tau_neg=TAU_NEG, loss_scale_factor=SCALE)
   if loss_key == "cispo":  # no lower clip; 1 + clip_ratio_high is the cap
     options.update(clip_ratio_low=1.0, clip_ratio_high=CISPO_CAP - 1.0)
+  if loss_key in ("dppo_tv", "dppo_kl"):  # the clip ratios are the thresholds
+    low, high = DPPO_TV if loss_key == "dppo_tv" else DPPO_KL
+    options.update(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=DPPO_CAP)
+  if loss_key in ("dro", "kl_cov"):
+    options["policy_loss"] = rollout_corr.PolicyLossConfig(
+        loss_mode=loss_key, dro_beta=DRO_BETA, kl_cov_ratio=KL_COV_RATIO,
+        ppo_kl_coef=KL_COV_COEF)
   options.update(overrides)
   options.setdefault("global_batch_info", dict(
       dp_size=1, batch_num_tokens=int(np.sum(mask)), global_batch_size=N,
@@ -184,7 +208,11 @@ def _ours(data, surrogate_key, rule_key, correction_key, *, mask=None,
   surrogate, dual = SURROGATES[surrogate_key]
   rule, constant = RULES[rule_key] if rule_key in RULES else rule_key
   correction, bounds = CORRECTIONS[correction_key]
-  options = dict(dict(cispo_cap=CISPO_CAP), **options)
+  options = dict(dict(
+      cispo_cap=CISPO_CAP, dro_beta=DRO_BETA, dppo_tv_low=DPPO_TV[0],
+      dppo_tv_high=DPPO_TV[1], dppo_kl_low=DPPO_KL[0], dppo_kl_high=DPPO_KL[1],
+      dppo_cap=DPPO_CAP, kl_cov_ratio=KL_COV_RATIO, kl_cov_coef=KL_COV_COEF),
+      **options)
   def loss_of(lp):
     return losses.policy_loss(
         lp, jnp.asarray(old_ if old is None else old), jnp.asarray(adv),
@@ -264,6 +292,29 @@ def test_the_data_make_every_clip_act(data):
   rho_seq = rho_seq[(np.array(LENGTHS) > 0) & (adv != 0)]
   assert (rho_seq > HIGH).any() and (rho_seq < LOW).any()
   assert ((rho_seq >= LOW) & (rho_seq <= HIGH)).sum() >= 3
+  # DPPO: both trust regions mask tokens of both signs (and differ), no
+  # divergence lies within float32 reach of a threshold, and the cap
+  # truncates tokens inside the region; over the tokens with A != 0 (one
+  # with A = 0 has an old log-prob above 0, whose binary KL is undefined).
+  signed = on & (adv != 0)[:, None]
+  a = np.broadcast_to(adv[:, None], mask.shape)[signed]
+  lp, lo = logp[signed].astype(np.float64), old[signed].astype(np.float64)
+  p, p_old = np.exp(lp), np.exp(lo)
+  kl = p_old * (lo - lp) + (1 - p_old) * np.log((1 - p_old) / (1 - p))
+  outside = {}
+  for (low, high), size in ((DPPO_TV, p - p_old), (DPPO_KL, np.sign(p - p_old) * kl)):
+    up, down = (a > 0) & (size > high), (a < 0) & (size < -low)
+    assert up.sum() >= 2 and down.sum() >= 2
+    assert min(np.abs(np.abs(size) - high).min(), np.abs(np.abs(size) - low).min()) > 1e-5
+    assert (~(up | down) & (r[signed] > DPPO_CAP)).sum() >= 1
+    outside[low] = up | down
+  assert (outside[DPPO_TV[0]] != outside[DPPO_KL[0]]).sum() >= 2
+  # KL-Cov: the chosen tokens (among all of them) are separated from the next.
+  a = np.broadcast_to(adv[:, None], mask.shape)[on]
+  lp = logp[on].astype(np.float64)
+  cov = np.sort((a - a.mean()) * (lp - lp.mean()))[::-1]
+  k = max(1, int(KL_COV_RATIO * on.sum()))
+  assert k >= 4 and cov[k - 1] - cov[k] > 1e-4
 
 
 @pytest.mark.parametrize("loss_key,agg_mode,correction_key", list(_verl_cells()))

@@ -14,14 +14,16 @@ KEYS = {"surrogate": "loss.surrogate", "correction": "loss.correction",
         "aggregation": "loss.aggregation", "dual_clip": "loss.dual_clip",
         "old_logp": "rl.old_logp", "correction_cap": "loss.correction_cap",
         "correction_floor": "loss.correction_floor",
-        "icepop_low": "loss.icepop_low", "icepop_high": "loss.icepop_high"}
+        "icepop_low": "loss.icepop_low", "icepop_high": "loss.icepop_high",
+        "dro_beta": "loss.dro_beta"}
 
 
 def check_combination(*, surrogate: str, correction: str, aggregation: str,
                       dual_clip: float | None = None, old_logp: str | None = None,
                       correction_cap: float = 2.0,
                       correction_floor: float | None = None,
-                      icepop_low: float = 0.5, icepop_high: float = 5.0) -> None:
+                      icepop_low: float = 0.5, icepop_high: float = 5.0,
+                      dro_beta: float | None = None) -> None:
   """Raises a one-line ValueError for a combination without a meaning
   (``old_logp``: ``rl.old_logp``; None skips the rule that needs it)."""
   if surrogate not in SURROGATES:
@@ -36,6 +38,11 @@ def check_combination(*, surrogate: str, correction: str, aggregation: str,
         "length factor L[n] is defined against the sequence rule's 1/L[n] "
         "(together: weight 1/N per token); for GSPO terms under another rule "
         "use loss.surrogate='gspo'")
+  if surrogate == "dro" and (dro_beta is None or not dro_beta > 0):
+    raise ValueError(
+        f"loss.surrogate='dro' with loss.dro_beta={dro_beta!r}: DRO's quadratic "
+        "penalty beta (logp - old)^2 / 2 needs a weight beta > 0 (it has no "
+        "default); set loss.dro_beta")
   if dual_clip is not None and surrogate != "ppo_clip":
     raise ValueError(
         f"loss.dual_clip={dual_clip} with loss.surrogate={surrogate!r}: the "

@@ -85,7 +85,8 @@ BA_SCOPES = ("group", "batch")
 KL_TYPES = ("k1", "k2", "k3")
 # The policy objective's per-token term and the sampler-trainer correction
 # (ba_jax.loss.objectives; docs/aggregation.md).
-SURROGATES = ("ppo_clip", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "luspo")
+SURROGATES = ("ppo_clip", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "luspo", "gpg",
+              "dro", "dppo_tv", "dppo_kl", "kl_cov")
 CORRECTIONS = ("none", "tis_token", "tis_sequence", "mis_token", "mis_sequence", "icepop")
 OLD_LOGP_SOURCES = ("sampler", "recompute")
 MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -174,6 +175,22 @@ class Loss:
   sapo_tau_pos: float = key(1.0, "sapo: the soft gate's temperature for A > 0", check=above(0))
   sapo_tau_neg: float = key(1.05, "sapo: the soft gate's temperature for A <= 0",
                             check=above(0))
+  dro_beta: float | None = key(None, "dro: the weight of its penalty beta (logp - old)^2 / 2 "
+                               "(None: unset; dro needs it)", check=above(0))
+  dppo_tv_low: float = key(0.15, "dppo_tv: for A < 0, tokens whose probability fell by more "
+                           "than this are masked", check=between(0, 1))
+  dppo_tv_high: float = key(0.15, "dppo_tv: for A > 0, tokens whose probability rose by more "
+                            "than this are masked", check=between(0, 1))
+  dppo_kl_low: float = key(0.05, "dppo_kl: for A < 0, tokens whose probability fell with a "
+                           "binary KL above this (nats) are masked", check=at_least(0))
+  dppo_kl_high: float = key(0.05, "dppo_kl: for A > 0, tokens whose probability rose with a "
+                            "binary KL above this (nats) are masked", check=at_least(0))
+  dppo_cap: float = key(20.0, "dppo_tv/dppo_kl: the stop-gradient IS weight is min(ratio, this)",
+                        check=above(0))
+  kl_cov_ratio: float = key(2e-4, "kl_cov: the fraction of a loss call's tokens (largest "
+                            "covariance of A and logp) that get the penalty",
+                            check=Check(lambda x: _finite(x) and 0 < x <= 1, "in (0, 1]"))
+  kl_cov_coef: float = key(0.1, "kl_cov: the penalty's weight on |logp - old|", check=at_least(0))
   eps_low: float = key(0.2, "clip range below 1 (gmpo: of the log-ratio)",
                        check=between(0, 1, hi_open=True))
   eps_high: float = key(0.28, "clip range above 1 (clip-higher when > eps_low; gmpo: of the "

@@ -1,7 +1,7 @@
 """Per-token policy-gradient terms and the GRPO loss built from them.
 
 The surrogate (``ba_jax.loss.objectives``: PPO-clip by default, or GSPO,
-GMPO, CISPO, SAPO, LUSPO) times the sampler-trainer correction, the KL
+GMPO, CISPO, SAPO, LUSPO, GPG, DRO, DPPO, KL-Cov) times the sampler-trainer correction, the KL
 penalty and the entropy bonus are per-token arrays [N, T];
 ``ba_jax.loss.aggregation`` turns each into a scalar. The policy term uses
 the aggregation mode under study; the regularisers use their own mode
@@ -56,7 +56,11 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
                 correction_floor: float | None = None,
                 icepop_low: float = 0.5, icepop_high: float = 5.0,
                 cispo_cap: float = 5.0, sapo_tau_pos: float = 1.0,
-                sapo_tau_neg: float = 1.05):
+                sapo_tau_neg: float = 1.05, dro_beta: float | None = None,
+                dppo_tv_low: float = 0.15, dppo_tv_high: float = 0.15,
+                dppo_kl_low: float = 0.05, dppo_kl_high: float = 0.05,
+                dppo_cap: float = 20.0, kl_cov_ratio: float = 2e-4,
+                kl_cov_coef: float = 0.1):
   """The GRPO loss and its metrics.
 
   Args:
@@ -65,7 +69,11 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
       sampler's standing in for it).
     surrogate: the policy term (static), ``objectives.SURROGATES``; its
       options ``eps_low``/``eps_high``/``dual_clip``, ``cispo_cap``,
-      ``sapo_tau_pos``/``sapo_tau_neg``.
+      ``sapo_tau_pos``/``sapo_tau_neg``, ``dro_beta``,
+      ``dppo_tv_low``/``dppo_tv_high``, ``dppo_kl_low``/``dppo_kl_high``,
+      ``dppo_cap``, ``kl_cov_ratio``/``kl_cov_coef`` (kl_cov picks its tokens
+      among this call's, so it is the one term that depends on how a
+      mini-batch is split into micro-batches).
     correction: the sampler-trainer correction (static),
       ``objectives.CORRECTIONS``, a stop-gradient factor on each token's
       term from ``old_logp - behaviour_logp`` (needed unless "none"); its
@@ -90,7 +98,7 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
       surrogate=surrogate, correction=correction, aggregation=aggregation,
       dual_clip=dual_clip, correction_cap=correction_cap,
       correction_floor=correction_floor, icepop_low=icepop_low,
-      icepop_high=icepop_high)
+      icepop_high=icepop_high, dro_beta=dro_beta)
   check_option("reg_aggregation", reg_aggregation, agg.MODES)
   if kl_coef and ref_logp is None:
     raise ValueError(f"kl_coef={kl_coef} needs ref_logp; got None.")
@@ -121,7 +129,10 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
         logp, old_logp, advantages_N, mask_NxT, surrogate=surrogate,
         eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
         cispo_cap=cispo_cap, sapo_tau_pos=sapo_tau_pos,
-        sapo_tau_neg=sapo_tau_neg)
+        sapo_tau_neg=sapo_tau_neg, dro_beta=dro_beta, dppo_tv_low=dppo_tv_low,
+        dppo_tv_high=dppo_tv_high, dppo_kl_low=dppo_kl_low,
+        dppo_kl_high=dppo_kl_high, dppo_cap=dppo_cap,
+        kl_cov_ratio=kl_cov_ratio, kl_cov_coef=kl_cov_coef)
   metrics = {}
   if correction != "none":
     factor, corrected = objectives.correction_weights(

@@ -10,6 +10,9 @@ rule's weights ``w[n, t]`` (``ba_jax.loss.aggregation``) make the loss
 factor (``*_sequence``) is the same number on every token of its sequence,
 so it meets the rule through the sequence's total weight ``sum_t w[n, t]``.
 All three are static choices (``schema.SURROGATES``, ``schema.CORRECTIONS``).
+One surrogate reads statistics of the whole call: ``kl_cov`` picks the
+tokens it penalises among this call's response tokens, so with
+micro-batches its loss depends on how the mini-batch is split (as verl's).
 """
 from __future__ import annotations
 
@@ -26,6 +29,9 @@ SEQUENCE_SURROGATES = ("gspo", "gspo_token", "gmpo", "luspo")
 # GMPO's token log-ratios are clamped to this before anything else (verl's
 # geo_mean does the same), so that exp of their mean stays finite.
 GMPO_LOG_RATIO_BOUND = 20.0
+# DPPO-Binary-KL adds this to 1 - p and 1 - p_old (verl's constant), so a
+# token at p = 1 (a log-prob of exactly 0 in float32) keeps a finite divergence.
+DPPO_KL_EPS = 1e-8
 
 
 def clipped_surrogate(logp, old_logp, advantages, *, eps_low: float,
@@ -80,22 +86,88 @@ def _gmpo(logp, old_logp, adv_Nx1, mask, eps_low, eps_high):
   return -adv_Nx1 * ratio, ratio, low, high
 
 
+def binary_kl(old_logp, logp):
+  """KL(Bernoulli(p_old) || Bernoulli(p)) of each token's probability, the
+  divergence DPPO-Binary-KL bounds; ``1 - p`` from ``expm1`` (exact near
+  p = 0), smoothed by ``DPPO_KL_EPS`` near p = 1 and kept >= 0 (a log-prob
+  rounded above 0 would otherwise give a NaN)."""
+  p_old = jnp.exp(old_logp)
+  rest_old = jnp.maximum(-jnp.expm1(old_logp), 0.0)
+  rest = jnp.maximum(-jnp.expm1(logp), 0.0)
+  return p_old * (old_logp - logp) + rest_old * (
+      jnp.log(rest_old + DPPO_KL_EPS) - jnp.log(rest + DPPO_KL_EPS))
+
+
+def _dppo(logp, old_logp, adv_Nx1, *, divergence: str, low: float,
+          high: float, cap: float):
+  """DPPO-Binary (Qi et al. 2026, arXiv 2602.04879): ``-A sg(min(r, cap))
+  logp`` on tokens inside the trust region, 0 outside. The region bounds a
+  divergence of the token's probability from the old one in the direction
+  A pushes it: for A > 0 a rise of more than ``high``, for A < 0 a fall of
+  more than ``low``, measured as the difference of probabilities (tv) or
+  their binary KL (kl)."""
+  ratio = jnp.exp(logp - old_logp)
+  rise = jnp.exp(logp) - jnp.exp(old_logp)
+  if divergence == "tv":
+    rose_too_far, fell_too_far = rise > high, rise < -low
+  else:
+    kl = binary_kl(old_logp, logp)
+    rose_too_far, fell_too_far = (rise > 0) & (kl > high), (rise < 0) & (kl > low)
+  high_masked = (adv_Nx1 > 0) & rose_too_far
+  low_masked = (adv_Nx1 < 0) & fell_too_far
+  inside = ~(high_masked | low_masked)
+  weight = jax.lax.stop_gradient(jnp.minimum(ratio, cap))
+  loss = jnp.where(inside, -adv_Nx1 * weight * logp, 0.0)
+  # The cap truncates the weight of a token that keeps its gradient: DPPO's
+  # stand-in for the dual clip, reported in its place.
+  return loss, ratio, low_masked, high_masked, inside & (ratio > cap)
+
+
+def top_covariance_tokens(advantages, logp, mask, fraction: float):
+  """KL-Cov's tokens: among this call's ``n`` response tokens, the
+  ``max(1, floor(fraction * n))`` with the largest ``(A - mean A)(logp -
+  mean logp)`` (means over those tokens); none when ``n = 0``. A bool
+  [N, T], no gradient. The count is computed in float32, so where
+  ``fraction * n`` lies within float32 rounding of an integer it may be one
+  off Python's float64 product."""
+  on = jnp.asarray(mask) > 0
+  m = on.astype(jnp.float32)
+  n = jnp.sum(m)
+  adv = jnp.broadcast_to(advantages[:, None], on.shape)
+  logp = jax.lax.stop_gradient(logp)
+  mean_adv = jnp.sum(adv * m) / jnp.maximum(n, 1.0)
+  mean_logp = jnp.sum(logp * m) / jnp.maximum(n, 1.0)
+  cov = jnp.where(on, (adv - mean_adv) * (logp - mean_logp), -jnp.inf)
+  count = jnp.maximum(1.0, jnp.floor(n * fraction))
+  order = jnp.argsort(-cov.ravel(), stable=True)
+  rank = jnp.zeros(order.shape, jnp.int32).at[order].set(
+      jnp.arange(order.size, dtype=jnp.int32))
+  return (rank.reshape(on.shape) < count) & on
+
+
 def surrogate_terms(logp, old_logp, advantages, mask, *, surrogate: str,
                     eps_low: float, eps_high: float,
                     dual_clip: float | None = None, cispo_cap: float = 5.0,
-                    sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05):
+                    sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05,
+                    dro_beta: float | None = None, dppo_tv_low: float = 0.15,
+                    dppo_tv_high: float = 0.15, dppo_kl_low: float = 0.05,
+                    dppo_kl_high: float = 0.05, dppo_cap: float = 20.0,
+                    kl_cov_ratio: float = 2e-4, kl_cov_coef: float = 0.1):
   """The policy term ``l[n, t]`` of ``surrogate`` (see ``SURROGATES``).
 
   Args:
     logp, old_logp: [N, T] current and old log-probs; advantages: [N];
-    mask: [N, T] (the sequence-level ratios average over its tokens).
+    mask: [N, T] (the sequence-level ratios average over its tokens;
+      kl_cov picks its tokens among them).
 
   Returns:
     ``(loss_NxT, ratio_NxT, low_NxT, high_NxT, dual_NxT)`` as
     ``clipped_surrogate``: ``ratio`` is the ratio the surrogate clips (a
     sequence's on each of its tokens for the sequence-level ones); ``low`` /
     ``high`` mark tokens a clip acted on (for cispo: whose IS weight was
-    capped, the gradient kept).
+    capped, the gradient kept; for dppo: masked outside the trust region,
+    A < 0 / A > 0); ``dual`` the dual clip's (for dppo: tokens in the trust
+    region whose weight ``dppo_cap`` truncated).
   """
   if surrogate not in SURROGATES:
     raise ValueError(f"Unknown loss.surrogate {surrogate!r}; expected one of "
@@ -130,7 +202,30 @@ def surrogate_terms(logp, old_logp, advantages, mask, *, surrogate: str,
                                    eps_high)
     return (jnp.broadcast_to(loss, shape), jnp.broadcast_to(ratio, shape),
             low, high, none)
-  ratio = jnp.exp(logp - old_logp)
+  if surrogate in ("dppo_tv", "dppo_kl"):
+    tv = surrogate == "dppo_tv"
+    return _dppo(logp, old_logp, adv, divergence="tv" if tv else "kl",
+                 low=dppo_tv_low if tv else dppo_kl_low,
+                 high=dppo_tv_high if tv else dppo_kl_high, cap=dppo_cap)
+  log_ratio = logp - old_logp
+  ratio = jnp.exp(log_ratio)
+  if surrogate == "gpg":  # the plain policy gradient
+    return -adv * logp, ratio, none, none, none
+  if surrogate == "dro":
+    if dro_beta is None or not dro_beta > 0:
+      raise ValueError(f"loss.surrogate='dro' needs loss.dro_beta > 0; got "
+                       f"{dro_beta!r}.")
+    return (-(adv * logp - 0.5 * dro_beta * jnp.square(log_ratio)), ratio,
+            none, none, none)
+  if surrogate == "kl_cov":
+    if not 0.0 < kl_cov_ratio <= 1.0:
+      raise ValueError(f"loss.kl_cov_ratio must be in (0, 1]; got "
+                       f"{kl_cov_ratio!r}.")
+    chosen = top_covariance_tokens(advantages, logp, mask, kl_cov_ratio)
+    # |log r| as sign * log r: its gradient at r = 1 (the first update of a
+    # step, where logp can equal old) is 0, as torch's abs, not jnp.abs's 1.
+    penalty = jnp.where(chosen, kl_cov_coef * jnp.sign(log_ratio) * log_ratio, 0.0)
+    return -adv * ratio + penalty, ratio, none, none, none
   if surrogate == "cispo":
     weight = jax.lax.stop_gradient(jnp.minimum(ratio, cispo_cap))
     return -weight * adv * logp, ratio, none, ratio > cispo_cap, none

@@ -26,7 +26,11 @@ def step_config(cfg: schema.RunConfig) -> ts.StepConfig:
       correction_cap=loss.correction_cap, correction_floor=loss.correction_floor,
       icepop_low=loss.icepop_low, icepop_high=loss.icepop_high,
       cispo_cap=loss.cispo_cap, sapo_tau_pos=loss.sapo_tau_pos,
-      sapo_tau_neg=loss.sapo_tau_neg, old_logp=rl.old_logp,
+      sapo_tau_neg=loss.sapo_tau_neg, dro_beta=loss.dro_beta,
+      dppo_tv_low=loss.dppo_tv_low, dppo_tv_high=loss.dppo_tv_high,
+      dppo_kl_low=loss.dppo_kl_low, dppo_kl_high=loss.dppo_kl_high,
+      dppo_cap=loss.dppo_cap, kl_cov_ratio=loss.kl_cov_ratio,
+      kl_cov_coef=loss.kl_cov_coef, old_logp=rl.old_logp,
       ppo_epochs=rl.ppo_epochs, num_minibatches=rl.num_minibatches,
       num_microbatches=rl.num_microbatches, temperature=rl.temperature,
       share_prompt=rl.share_prompt)

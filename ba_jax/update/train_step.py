@@ -63,7 +63,11 @@ SCHEMA_KEYS = {
     "correction_floor": "loss.correction_floor",
     "icepop_low": "loss.icepop_low", "icepop_high": "loss.icepop_high",
     "cispo_cap": "loss.cispo_cap", "sapo_tau_pos": "loss.sapo_tau_pos",
-    "sapo_tau_neg": "loss.sapo_tau_neg", "old_logp": "rl.old_logp",
+    "sapo_tau_neg": "loss.sapo_tau_neg", "dro_beta": "loss.dro_beta",
+    "dppo_tv_low": "loss.dppo_tv_low", "dppo_tv_high": "loss.dppo_tv_high",
+    "dppo_kl_low": "loss.dppo_kl_low", "dppo_kl_high": "loss.dppo_kl_high",
+    "dppo_cap": "loss.dppo_cap", "kl_cov_ratio": "loss.kl_cov_ratio",
+    "kl_cov_coef": "loss.kl_cov_coef", "old_logp": "rl.old_logp",
     "ppo_epochs": "rl.ppo_epochs", "num_minibatches": "rl.num_minibatches",
     "num_microbatches": "rl.num_microbatches", "temperature": "rl.temperature",
     "share_prompt": "rl.share_prompt"}
@@ -93,6 +97,14 @@ class StepConfig:
   cispo_cap: float = 5.0
   sapo_tau_pos: float = 1.0
   sapo_tau_neg: float = 1.05
+  dro_beta: float | None = None
+  dppo_tv_low: float = 0.15
+  dppo_tv_high: float = 0.15
+  dppo_kl_low: float = 0.05
+  dppo_kl_high: float = 0.05
+  dppo_cap: float = 20.0
+  kl_cov_ratio: float = 2e-4
+  kl_cov_coef: float = 0.1
   # Where the batch's old_logp come from: "sampler" (its log-probs stand in
   # for old), or "recompute" (the batch then also holds the sampler's as
   # behaviour_logp).
@@ -120,14 +132,16 @@ class StepConfig:
         aggregation=self.aggregation, dual_clip=self.dual_clip,
         old_logp=self.old_logp, correction_cap=self.correction_cap,
         correction_floor=self.correction_floor, icepop_low=self.icepop_low,
-        icepop_high=self.icepop_high)
+        icepop_high=self.icepop_high, dro_beta=self.dro_beta)
 
   @property
   def objective(self) -> dict:
     """The surrogate's and the correction's options, as ``policy_loss`` takes them."""
     return {name: getattr(self, name) for name in (
         "surrogate", "correction", "correction_cap", "correction_floor",
-        "icepop_low", "icepop_high", "cispo_cap", "sapo_tau_pos", "sapo_tau_neg")}
+        "icepop_low", "icepop_high", "cispo_cap", "sapo_tau_pos", "sapo_tau_neg",
+        "dro_beta", "dppo_tv_low", "dppo_tv_high", "dppo_kl_low", "dppo_kl_high",
+        "dppo_cap", "kl_cov_ratio", "kl_cov_coef")}
 
   def check_batch(self, num_rows: int, data_shards: int = 1) -> None:
     """Raises if ``num_rows`` does not split into groups, mini/micro-batches
