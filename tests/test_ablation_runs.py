@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from ba_jax.ablation import protocol, runner, spec as spec_lib, stages, summary
-from ba_jax.ablation.store import config_hash, read_rows
+from ba_jax.ablation.store import Store, config_hash, read_rows
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -46,6 +46,50 @@ def test_a_job_is_the_spec_plus_cell_arm_rate_and_seed():
                                  cells={"all": {"variant": "gap=-6"}}))
   s = runner.run_settings(none, runner.Job(0, "all", "token", 3e-4))
   assert s["config"] == "configs/tiny.py:smoke,gap=-6" and "sft.steps" not in s["overrides"]
+
+
+class OrderRunner:
+  """Records the order of warm-ups and runs; each takes a moment, so runs
+  started together overlap."""
+
+  def __init__(self):
+    self.events = []
+
+  def warmup(self, settings, workdir):
+    self.events.append(("warmup", settings["overrides"]["seed"]))
+    return f"/warm/{settings['overrides']['seed']}"
+
+  def train(self, settings, workdir):
+    o = settings["overrides"]
+    assert o["init_from"] == f"/warm/{o['seed']}"  # its own seed's warm-up
+    self.events.append(("run", o["seed"]))
+    return dict(reward_auc=0.5)
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_runs_go_seed_by_seed_each_after_its_own_warm_up(tmp_path, parallel):
+  """A study stopped part-way holds whole seeds: with one slot each seed's
+  warm-up and runs finish before the next seed's warm-up starts; with two,
+  no warm-up starts while an earlier seed has runs waiting, beyond the
+  first two warm-ups."""
+  spec = spec_lib.from_dict(dict(BASE, confirm_seeds=[0, 1, 2, 3]))
+  jobs = [runner.Job(seed, "pos", arm, 3e-4) for seed in range(4)
+          for arm in ("token", "balanced")]
+  r = OrderRunner()
+  runner.execute(jobs, spec, r, Store(tmp_path / "rows.jsonl"), tmp_path / "runs",
+                 parallel=parallel, log=lambda *_: None)
+  assert sorted(r.events) == sorted([("warmup", s) for s in range(4)] +
+                                    [("run", s) for s in range(4) for _ in range(2)])
+  if parallel == 1:
+    assert r.events == [e for s in range(4) for e in
+                        [("warmup", s), ("run", s), ("run", s)]]
+  warmed = [s for kind, s in r.events if kind == "warmup"]
+  assert warmed == sorted(warmed)
+  for i, (kind, seed) in enumerate(r.events):
+    if kind == "warmup" and seed >= parallel:
+      # every run of seeds two or more back has started by then
+      earlier = [s for k, s in r.events[i + 1:] if k == "run" and s < seed - parallel + 1]
+      assert earlier == [], r.events
 
 
 def test_a_run_stopped_by_the_nonfinite_guard_scores_zero_for_what_is_missing(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import os
 import pathlib
 import queue
@@ -167,9 +168,12 @@ class LocalRunner:
 def execute(jobs, spec, runner, store: Store, runs_dir: pathlib.Path, *,
             parallel: int = 1, row_fields: Callable[[], dict] = dict,
             log=print) -> dict:
-  """Run every job without a row in ``store``; job -> row. Warm-ups first,
-  each seed's runs as soon as its warm-up is done. ``row_fields()`` is
-  called as each run starts (the protocol record) and stored in its row."""
+  """Run every job without a row in ``store``; job -> row. Seed by seed:
+  ``parallel`` warm-ups start first; as each is done its seed's runs are
+  queued, then the next seed's warm-up behind them, so the seeds' rows
+  complete in order and a study stopped part-way holds whole seeds (and a
+  resume on a fresh host repeats few warm-ups). ``row_fields()`` is called
+  as each run starts (the protocol record) and stored in its row."""
   jobs = sorted(set(jobs))
   settings = {j: run_settings(spec, j) for j in jobs}
   keys = {j: config_hash(s) for j, s in settings.items()}
@@ -212,14 +216,21 @@ def execute(jobs, spec, runner, store: Store, runs_dir: pathlib.Path, *,
   by_seed = {}
   for j in todo:
     by_seed.setdefault(warmup_seed(spec, j.seed), []).append(j)
+  order = iter(sorted(by_seed, key=lambda x: (x is None, x)))
   with concurrent.futures.ThreadPoolExecutor(max(1, parallel)) as pool:
     try:
+      # The pool runs its queue first in, first out: a warm-up submitted
+      # after a seed's runs starts once a slot is free of them.
       warmups = {pool.submit(warm, w): w
-                 for w in sorted(by_seed, key=lambda x: (x is None, x))}
+                 for w in itertools.islice(order, max(1, parallel))}
       futures = []
-      for done in concurrent.futures.as_completed(warmups):
+      while warmups:
+        done = next(concurrent.futures.as_completed(warmups))
+        seed = warmups.pop(done)
         init = done.result()
-        futures += [pool.submit(run, j, init) for j in by_seed[warmups[done]]]
+        futures += [pool.submit(run, j, init) for j in by_seed[seed]]
+        for w in itertools.islice(order, 1):
+          warmups[pool.submit(warm, w)] = w
       for f in concurrent.futures.as_completed(futures):
         f.result()
     except BaseException:
