@@ -28,7 +28,10 @@ OPTIONS = dict(eps_low=0.2, eps_high=0.28, cispo_cap=1.3, sapo_tau_pos=1.0,
                sapo_tau_neg=1.05, correction_cap=2.0, correction_floor=0.6,
                icepop_low=0.5, icepop_high=2.5, dro_beta=0.7, dppo_tv_low=0.1,
                dppo_tv_high=0.05, dppo_kl_low=0.03, dppo_kl_high=0.011,
-               dppo_cap=1.3, kl_cov_ratio=0.2, kl_cov_coef=0.5)
+               dppo_cap=1.3, kl_cov_ratio=0.2, kl_cov_coef=0.5,
+               clip_cov_ratio=0.15, clip_cov_lb=0.05, clip_cov_ub=0.55)
+# clip_cov's draw (every call here is one loss call with this key).
+KEY = jax.random.key(7)
 
 
 def _data(seed=0):
@@ -110,6 +113,32 @@ def _ref_kl_cov_tokens(lp, m, adv):
   return {cell for _, cell in cov[-k:]}, [c for c, _ in cov]
 
 
+def _ref_clip_cov_candidates(lp, o, m, adv):
+  """Clip-Cov's candidates (the response tokens PPO did not clip whose
+  covariance lies in (lb, ub), means over the call's n tokens), its count
+  max(1, int(ratio n)) and the covariances."""
+  tokens = [(i, t) for i in range(len(m)) for t in range(T) if m[i][t]]
+  mean_a = sum(adv[i] for i, _ in tokens) / len(tokens)
+  mean_lp = sum(lp[i][t] for i, t in tokens) / len(tokens)
+  cov = {(i, t): (adv[i] - mean_a) * (lp[i][t] - mean_lp) for i, t in tokens}
+  el, eh = OPTIONS["eps_low"], OPTIONS["eps_high"]
+  candidates = np.zeros((len(m), T), bool)
+  for i, t in tokens:
+    a, r = adv[i], math.exp(lp[i][t] - o[i][t])
+    clipped = (a > 0 and r > 1 + eh) or (a < 0 and r < 1 - el)
+    candidates[i, t] = (not clipped and OPTIONS["clip_cov_lb"] < cov[i, t]
+                        < OPTIONS["clip_cov_ub"])
+  return candidates, max(1, int(OPTIONS["clip_cov_ratio"] * len(tokens))), cov
+
+
+def _ref_clip_cov_tokens(lp, o, m, adv):
+  """The tokens clip_cov zeroes: the draw is ours (``draw_tokens`` with
+  KEY, tested below), among the candidates computed here."""
+  candidates, count, _ = _ref_clip_cov_candidates(lp, o, m, adv)
+  chosen = np.asarray(objectives.draw_tokens(candidates, count, KEY))
+  return {(i, t) for i, t in zip(*np.nonzero(chosen))}
+
+
 def _ref_binary_kl(o, lp):
   p, po, eps = math.exp(lp), math.exp(o), objectives.DPPO_KL_EPS
   return po * (o - lp) + (1 - po) * math.log((1 - po + eps) / (1 - p + eps))
@@ -137,7 +166,8 @@ def _reference(logp, old, behaviour, mask, adv, surrogate, correction, rule):
   lp, o, b, m = (x.astype(np.float64).tolist() for x in (logp, old, behaviour, mask))
   w = _ref_weights(m, adv, rule)
   c = _ref_correction(o, b, m, correction)
-  chosen = _ref_kl_cov_tokens(lp, m, adv)[0] if surrogate == "kl_cov" else set()
+  chosen = (_ref_kl_cov_tokens(lp, m, adv)[0] if surrogate == "kl_cov" else
+            _ref_clip_cov_tokens(lp, o, m, adv) if surrogate == "clip_cov" else set())
   loss, grad = 0.0, np.zeros((len(m), T))
   for i in range(len(m)):
     a = float(adv[i])
@@ -170,6 +200,8 @@ def _reference(logp, old, behaviour, mask, adv, surrogate, correction, rule):
       r = math.exp(lp[i][t] - o[i][t])
       if surrogate == "ppo_clip":
         term, dterm = _ppo(a, r)
+      elif surrogate == "clip_cov":  # PPO-clip, zeroed on the drawn tokens
+        term, dterm = (0.0, 0.0) if (i, t) in chosen else _ppo(a, r)
       elif surrogate == "cispo":
         weight = min(r, OPTIONS["cispo_cap"])
         term, dterm = -weight * a * lp[i][t], -weight * a
@@ -196,7 +228,7 @@ def _reference(logp, old, behaviour, mask, adv, surrogate, correction, rule):
 
 def _ours(logp, old, behaviour, mask, adv, surrogate, correction, rule,
           **overrides):
-  options = dict(OPTIONS, **overrides)
+  options = dict(OPTIONS, key=KEY, **overrides)
   def loss_of(lp):
     return losses.policy_loss(
         lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), group_size=G,
@@ -245,6 +277,18 @@ def test_the_data_reach_every_branch(data):
   # KL-Cov: several tokens chosen, separated from the next one.
   chosen, cov = _ref_kl_cov_tokens(logp.astype(float).tolist(), mask.tolist(), adv.tolist())
   assert len(chosen) >= 4 and cov[-len(chosen)] - cov[-len(chosen) - 1] > 1e-4
+  # Clip-Cov: more candidates than it draws, each with A != 0 (so a drawn
+  # token changes the loss), no covariance within 1e-5 of a bound, and
+  # clipped tokens inside the bounds (excluded for being clipped).
+  candidates, count, cov = _ref_clip_cov_candidates(
+      *(x.astype(float).tolist() for x in (logp, old, mask)), adv.tolist())
+  assert candidates.sum() >= count + 4 and count >= 3
+  assert (adv[np.nonzero(candidates)[0]] != 0).all()
+  for bound in (OPTIONS["clip_cov_lb"], OPTIONS["clip_cov_ub"]):
+    assert min(abs(c - bound) for c in cov.values()) > 1e-5
+  inside = [cell for cell, c in cov.items()
+            if OPTIONS["clip_cov_lb"] < c < OPTIONS["clip_cov_ub"]]
+  assert len(inside) > candidates.sum()
 
 
 @pytest.mark.parametrize("surrogate,correction,rule", list(_cells()))
@@ -428,6 +472,55 @@ def test_kl_cov_depends_on_how_the_mini_batch_is_split(data):
   assert abs(parts - whole) > 1e-4
 
 
+def test_draw_tokens_takes_min_count_of_the_candidates():
+  """Exactly min(count, #candidates) tokens, all candidates; the same key
+  draws the same tokens, other keys other tokens."""
+  rng = np.random.default_rng(5)
+  for shape, p, count in [((6, 9), 0.4, 5), ((6, 9), 0.4, 1), ((3, 4), 0.5, 40),
+                          ((4, 5), 0.0, 3), ((8, 16), 0.9, 30)]:
+    candidates = jnp.asarray(rng.random(shape) < p)
+    drawn = [np.asarray(objectives.draw_tokens(candidates, count, jax.random.key(k)))
+             for k in range(4)]
+    for chosen in drawn:
+      assert chosen.sum() == min(count, int(candidates.sum()))
+      assert not (chosen & ~np.asarray(candidates)).any()
+    again = objectives.draw_tokens(candidates, count, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(again), drawn[0])
+    if 0 < count < int(candidates.sum()):
+      assert len({c.tobytes() for c in drawn}) > 1, (shape, count)
+
+
+def test_clip_cov_draws_among_unclipped_tokens_inside_the_bounds(data):
+  """With a ratio whose count exceeds the candidates, clip_cov zeroes every
+  candidate: its gradient is ppo_clip's (no dual clip) with the
+  candidates' entries set to 0; the clip fraction reports the drawn ones
+  in the dual slot."""
+  logp, old, behaviour, mask, adv = data
+  candidates, _, _ = _ref_clip_cov_candidates(
+      *(x.astype(float).tolist() for x in (logp, old, mask)), adv.tolist())
+  every = _ours(*data, "clip_cov", "none", "token", clip_cov_ratio=1.0)
+  ppo = _ours(*data, "ppo_clip", "none", "token")
+  np.testing.assert_array_equal(every[1], np.where(candidates, 0.0, ppo[1]))
+  assert np.abs(ppo[1][candidates]).min() > 0
+  metrics = losses.policy_loss(logp, old, adv, mask, group_size=G, aggregation="token",
+                               surrogate="clip_cov", key=KEY, **{
+                                   k: v for k, v in OPTIONS.items() if "clip_cov" in k})[1]
+  count = max(1, int(OPTIONS["clip_cov_ratio"] * mask.sum()))
+  assert float(metrics["clip_frac_dual"]) == pytest.approx(count / mask.sum(), abs=1e-7)
+
+
+def test_clip_cov_needs_a_key_and_valid_options(data):
+  logp, old, _, mask, adv = data
+  call = lambda **kw: objectives.surrogate_terms(
+      logp, old, adv, mask, surrogate="clip_cov", eps_low=0.2, eps_high=0.2, **kw)
+  with pytest.raises(ValueError, match="pass a PRNG key"):
+    call()
+  with pytest.raises(ValueError, match="loss.clip_cov_ratio must be in \\(0, 1\\]; got 0.0"):
+    call(key=KEY, clip_cov_ratio=0.0)
+  with pytest.raises(ValueError, match="loss.clip_cov_lb=2.0 must be below loss.clip_cov_ub=1.0"):
+    call(key=KEY, clip_cov_lb=2.0, clip_cov_ub=1.0)
+
+
 # --- refusals at config time -------------------------------------------------
 
 REFUSED = [
@@ -450,6 +543,11 @@ REFUSED = [
     ({"loss.kl_cov_ratio": 0.0}, "loss.kl_cov_ratio=0.0: expected in (0, 1]"),
     ({"loss.kl_cov_ratio": 1.5}, "loss.kl_cov_ratio=1.5: expected in (0, 1]"),
     ({"loss.kl_cov_coef": -0.5}, "loss.kl_cov_coef=-0.5: expected >= 0"),
+    ({"loss.clip_cov_ratio": 0.0}, "loss.clip_cov_ratio=0.0: expected in (0, 1]"),
+    ({"loss.clip_cov_ratio": 1.5}, "loss.clip_cov_ratio=1.5: expected in (0, 1]"),
+    ({"loss.clip_cov_ub": float("inf")}, "loss.clip_cov_ub=inf: expected finite"),
+    ({"loss.surrogate": "clip_cov", "loss.clip_cov_lb": 5.0},
+     "loss.clip_cov_lb=5.0 must be below loss.clip_cov_ub=5.0"),
     ({"loss.surrogate": "ppo_kl"}, "loss.surrogate='ppo_kl': expected one of"),
     ({"loss.correction": "tis"}, "loss.correction='tis': expected one of"),
 ]

@@ -2,6 +2,7 @@
 micro-batching, non-finite updates skipped, bad options rejected."""
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -65,13 +66,22 @@ def test_sharded_step_equals_single_device_step():
     np.testing.assert_allclose(m8[name], m1[name], rtol=1e-5, atol=1e-6)
 
 
+# Clip-Cov with bounds every unclipped token lies in: its draw decides the update.
+CLIP_COV = dict(surrogate="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-100.0,
+                clip_cov_ub=100.0)
+
+
 @pytest.mark.slow
-def test_kl_cov_sharded_step_equals_single_device_step():
+@pytest.mark.parametrize("surrogate", ["kl_cov", "clip_cov"])
+def test_cov_sharded_step_equals_single_device_step(surrogate):
   """KL-Cov picks its tokens among the whole micro-batch's, all devices
-  together (a sort over the sharded rows): the step on 8 devices equals the
-  step on one, as for the other terms."""
-  cfg = ts.StepConfig(group_size=4, aggregation="balanced", surrogate="kl_cov",
-                      kl_cov_ratio=0.1, kl_cov_coef=1.0, num_minibatches=2)
+  together (a sort over the sharded rows), and Clip-Cov draws them there
+  (its random scores do not depend on the sharding): the step on 8 devices
+  equals the step on one, as for the other terms."""
+  options = (dict(surrogate="kl_cov", kl_cov_ratio=0.1, kl_cov_coef=1.0)
+             if surrogate == "kl_cov" else CLIP_COV)
+  cfg = ts.StepConfig(group_size=4, aggregation="balanced", num_minibatches=2,
+                      **options)
   batch = tu.rollout_batch(1, n=16)
   results = []
   for mesh in (sharding_lib.make_mesh({"data": 4, "fsdp": 2, "tensor": 1}),
@@ -84,6 +94,40 @@ def test_kl_cov_sharded_step_equals_single_device_step():
   assert tu.max_abs_diff(p8, p1) < 1e-5  # as in the ppo_clip test above
   for name in ("loss", "grad_norm", "pg_loss_sum"):
     np.testing.assert_allclose(m8[name], m1[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_clip_cov_draws_from_the_seed_and_the_step_counter():
+  """Clip-Cov's key comes from cfg.seed and state.step alone (the state
+  holds no key): the same state and batch give the same update, bit for
+  bit; another step counter or seed draws other tokens, so another update;
+  and the key is the one update_key gives. Resuming restores state.step,
+  so a resumed run draws what an uninterrupted one would."""
+  graphdef, params = nnx.split(model_lib.Decoder(tu.tiny_model_config(), rngs=nnx.Rngs(0)))
+  tx = ts.make_optimizer(learning_rate=1e-3, warmup_steps=0, total_steps=4, eps=1e-3)
+  batch = tu.rollout_batch(6, n=16)
+
+  def run(state, **overrides):
+    cfg = ts.StepConfig(group_size=4, num_minibatches=2, num_microbatches=2,
+                        ppo_epochs=2, **dict(CLIP_COV, **overrides))
+    fn = jax.jit(lambda s, b: ts.train_step(s, b, graphdef=graphdef, tx=tx, cfg=cfg))
+    new, metrics = fn(state, batch)
+    return tu.host_params(new), jax.device_get(metrics)
+
+  state = ts.create_state(params, tx)
+  first, metrics = run(state)
+  again, _ = run(state)
+  assert tu.max_abs_diff(first, again) == 0.0
+  assert float(metrics["clip_frac_dual"]) > 0.1  # the drawn tokens
+  later, _ = run(state.replace(step=jnp.asarray(5, jnp.int32)))
+  other_seed, _ = run(state, seed=1)
+  assert tu.max_abs_diff(first, later) > 1e-6 and tu.max_abs_diff(first, other_seed) > 1e-6
+  ppo, _ = run(state, surrogate="ppo_clip")
+  assert tu.max_abs_diff(first, ppo) > 1e-6
+  keys = [jax.random.key_data(ts.update_key(seed, step)) for seed, step in
+          [(0, 5), (0, jnp.asarray(5, jnp.int32)), (0, 6), (1, 5)]]
+  assert np.array_equal(keys[0], keys[1])
+  assert not np.array_equal(keys[0], keys[2]) and not np.array_equal(keys[0], keys[3])
 
 
 @pytest.mark.slow

@@ -23,18 +23,26 @@ which verl always applies; `gspo` -> gspo_token; `geo_mean` -> gmpo and
 `gpg` -> gpg; `dro` -> dro with `dro_beta`; `dppo_tv`/`dppo_kl` ->
 dppo_tv/dppo_kl with `clip_ratio_low`/`clip_ratio_high` as the divergence
 thresholds and `clip_ratio_c` as dppo_cap; `kl_cov` -> kl_cov with
-`kl_cov_ratio` and `ppo_kl_coef` as kl_cov_coef);
+`kl_cov_ratio` and `ppo_kl_coef` as kl_cov_coef; `clip_cov` -> clip_cov
+with `clip_cov_ratio`/`clip_cov_lb`/`clip_cov_ub`, no dual clip);
 `rollout_is` x `rollout_is_threshold` is our correction (token/sequence
 with a cap -> tis_token/tis_sequence without a floor; with "low_high" ->
-icepop (= mis_token) / mis_sequence). Not mapped: `clip_cov` (it zeroes the
-gradient of a random subset of tokens, drawn with torch.randperm; see
-docs/aggregation.md), `token-sum` (N times dr_grpo with 1, tested below),
+icepop (= mis_token) / mis_sequence). Not mapped: `token-sum` (N times
+dr_grpo with 1, tested below),
 IS batch normalisation; `geo_mean` with a token-level correction and
 rejection sampling differ from ours, and the tests below pin down how.
 
 Each verl cell must match its mapped cell and no other of ours (every
 surrogate x rule x correction, loss and gradient), so a swapped mapping
 fails.
+
+`clip_cov` zeroes a random subset of its candidate tokens, drawn with
+`torch.randperm` there and with a PRNG key here: the draws cannot agree by
+themselves. Two regimes: `clip_cov` (ratio 1) draws at least as many
+tokens as there are candidates, so both take all of them whatever the
+draw; `clip_cov@few` draws 4 of 12, and the test hands verl a
+`torch.randperm` that lists the candidates ours drew first (in the order
+verl's `torch.nonzero` lists the candidates), so both zero the same tokens.
 """
 import importlib
 import importlib.metadata
@@ -70,6 +78,10 @@ DPPO_TV = (0.12, 0.08)     # (low, high): verl's clip_ratio_low/high for dppo_tv
 DPPO_KL = (0.03, 0.045)    # the same for dppo_kl, in nats
 DPPO_CAP = DUAL            # verl passes its clip_ratio_c (default 3.0)
 KL_COV_RATIO, KL_COV_COEF = 0.1, 1.0
+CLIP_COV_LB, CLIP_COV_UB = 0.2, 0.62
+# clip_cov's ratio per variant: every candidate drawn, or 4 of them.
+CLIP_COV_RATIOS = {"clip_cov@all": 1.0, "clip_cov@few": 0.07}
+KEY = jax.random.key(3)  # our clip_cov's draw
 SCALE = 16          # loss_scale_factor, the dr_grpo constant
 CAP, FLOOR = 2.0, 0.6
 LOW, HIGH = 0.5, 2.5  # IcePop's bounds
@@ -88,7 +100,8 @@ SURROGATES = {
     "gmpo": ("gmpo", None), "cispo": ("cispo", None), "sapo": ("sapo", None),
     "luspo": ("luspo", None), "gpg": ("gpg", None), "dro": ("dro", None),
     "dppo_tv": ("dppo_tv", None), "dppo_kl": ("dppo_kl", None),
-    "kl_cov": ("kl_cov", None)}
+    "kl_cov": ("kl_cov", None), "clip_cov@all": ("clip_cov", None),
+    "clip_cov@few": ("clip_cov", None)}
 # Our rules: key -> (loss.aggregation, loss.max_response_len).
 RULES = {"token": ("token", None), "sequence": ("sequence", None),
          f"dr_grpo@{SCALE}": ("dr_grpo", SCALE), "dr_grpo@1": ("dr_grpo", 1),
@@ -120,6 +133,8 @@ VERL_LOSSES = {
     "dppo_tv": ("dppo_tv", None),
     "dppo_kl": ("dppo_kl", None),
     "kl_cov": ("kl_cov", None),
+    "clip_cov": ("clip_cov@all", None),
+    "clip_cov@few": ("clip_cov@few", None),
 }
 # verl loss_agg_mode -> our rule.
 VERL_RULES = {"token-mean": "token", "seq-mean-token-mean": "sequence",
@@ -165,10 +180,13 @@ def _config(loss_key: str, mask, **overrides):
   if loss_key in ("dppo_tv", "dppo_kl"):  # the clip ratios are the thresholds
     low, high = DPPO_TV if loss_key == "dppo_tv" else DPPO_KL
     options.update(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=DPPO_CAP)
-  if loss_key in ("dro", "kl_cov"):
+  if loss_key in ("dro", "kl_cov", "clip_cov", "clip_cov@few"):
     options["policy_loss"] = rollout_corr.PolicyLossConfig(
-        loss_mode=loss_key, dro_beta=DRO_BETA, kl_cov_ratio=KL_COV_RATIO,
-        ppo_kl_coef=KL_COV_COEF)
+        loss_mode=loss_key.split("@")[0], dro_beta=DRO_BETA,
+        kl_cov_ratio=KL_COV_RATIO, ppo_kl_coef=KL_COV_COEF,
+        clip_cov_ratio=CLIP_COV_RATIOS[VERL_LOSSES[loss_key][0]]
+        if loss_key.startswith("clip_cov") else None,
+        clip_cov_lb=CLIP_COV_LB, clip_cov_ub=CLIP_COV_UB)
   options.update(overrides)
   options.setdefault("global_batch_info", dict(
       dp_size=1, batch_num_tokens=int(np.sum(mask)), global_batch_size=N,
@@ -211,8 +229,9 @@ def _ours(data, surrogate_key, rule_key, correction_key, *, mask=None,
   options = dict(dict(
       cispo_cap=CISPO_CAP, dro_beta=DRO_BETA, dppo_tv_low=DPPO_TV[0],
       dppo_tv_high=DPPO_TV[1], dppo_kl_low=DPPO_KL[0], dppo_kl_high=DPPO_KL[1],
-      dppo_cap=DPPO_CAP, kl_cov_ratio=KL_COV_RATIO, kl_cov_coef=KL_COV_COEF),
-      **options)
+      dppo_cap=DPPO_CAP, kl_cov_ratio=KL_COV_RATIO, kl_cov_coef=KL_COV_COEF,
+      clip_cov_ratio=CLIP_COV_RATIOS.get(surrogate_key, 2e-4),
+      clip_cov_lb=CLIP_COV_LB, clip_cov_ub=CLIP_COV_UB, key=KEY), **options)
   def loss_of(lp):
     return losses.policy_loss(
         lp, jnp.asarray(old_ if old is None else old), jnp.asarray(adv),
@@ -233,6 +252,30 @@ def our_cells(data):
     if s != "luspo" or r == "sequence":
       cells[s, r, c] = _ours(data, s, r, c)
   return cells
+
+
+def _clip_cov_tokens(data, ratio):
+  """Our clip_cov's (candidates, drawn tokens) on the data, as the loss
+  draws them (KEY, the whole batch one call)."""
+  logp, old, _, mask, adv = data
+  r = np.exp(logp - old)
+  a = adv[:, None]
+  clipped = -a * np.clip(r, 1 - EPS_LOW, 1 + EPS_HIGH) > -a * r
+  chosen, candidates = objectives.clip_cov_tokens(
+      jnp.asarray(adv), jnp.asarray(logp), jnp.asarray(mask), jnp.asarray(clipped),
+      ratio=ratio, lb=CLIP_COV_LB, ub=CLIP_COV_UB, key=KEY)
+  return np.asarray(candidates), np.asarray(chosen)
+
+
+def _randperm_drawing(candidates, chosen):
+  """A stand-in for torch.randperm(n) that puts the candidates ours drew
+  first, numbered as verl's torch.nonzero lists them (row-major)."""
+  drawn = chosen[candidates]  # row-major, as torch.nonzero
+  def randperm(n, *args, **kwargs):
+    assert n == candidates.sum(), (n, candidates.sum())  # verl's candidates are ours
+    order = np.concatenate([np.flatnonzero(drawn), np.flatnonzero(~drawn)])
+    return torch.tensor(order, dtype=torch.long)
+  return randperm
 
 
 def _equivalents(surrogate, rule, correction):
@@ -315,14 +358,31 @@ def test_the_data_make_every_clip_act(data):
   cov = np.sort((a - a.mean()) * (lp - lp.mean()))[::-1]
   k = max(1, int(KL_COV_RATIO * on.sum()))
   assert k >= 4 and cov[k - 1] - cov[k] > 1e-4
+  # Clip-Cov: no covariance within 1e-5 of a bound; clipped tokens inside
+  # the bounds (left out); candidates of both A != 0 and A = 0; "few" draws
+  # fewer than them, tokens with A != 0 among its draw and among the rest.
+  assert min(np.abs(cov - CLIP_COV_LB).min(), np.abs(cov - CLIP_COV_UB).min()) > 1e-5
+  candidates, every = _clip_cov_tokens(data, CLIP_COV_RATIOS["clip_cov@all"])
+  _, few = _clip_cov_tokens(data, CLIP_COV_RATIOS["clip_cov@few"])
+  cov_nt = ((adv[:, None] - a.mean()) * (logp - lp.mean()))
+  inside = on & (cov_nt > CLIP_COV_LB) & (cov_nt < CLIP_COV_UB)
+  assert (inside & ~candidates).sum() >= 3
+  signed = (adv != 0)[:, None]
+  assert (candidates & signed).sum() >= 6 and (candidates & ~signed).sum() >= 2
+  assert np.array_equal(every, candidates)
+  assert few.sum() == max(1, int(CLIP_COV_RATIOS["clip_cov@few"] * on.sum())) == 4
+  assert (few & signed).sum() >= 2 and (candidates & ~few & signed).sum() >= 2
 
 
 @pytest.mark.parametrize("loss_key,agg_mode,correction_key", list(_verl_cells()))
 def test_loss_and_gradient_equal_verl(data, our_cells, loss_key, agg_mode,
-                                      correction_key):
+                                      correction_key, monkeypatch):
   surrogate, forced_rule = VERL_LOSSES[loss_key]
   rule = forced_rule or VERL_RULES[agg_mode]
   correction = VERL_CORRECTIONS[correction_key][2]
+  if loss_key == "clip_cov@few":  # verl draws the tokens ours drew
+    monkeypatch.setattr(torch, "randperm", _randperm_drawing(
+        *_clip_cov_tokens(data, CLIP_COV_RATIOS[surrogate])))
   verl_loss, verl_grad = _verl(data, loss_key, agg_mode, correction_key)
   loss, grad = our_cells[surrogate, rule, correction]
   assert abs(loss - verl_loss) <= LOSS_ATOL, (loss, verl_loss)

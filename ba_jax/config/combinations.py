@@ -15,7 +15,8 @@ KEYS = {"surrogate": "loss.surrogate", "correction": "loss.correction",
         "old_logp": "rl.old_logp", "correction_cap": "loss.correction_cap",
         "correction_floor": "loss.correction_floor",
         "icepop_low": "loss.icepop_low", "icepop_high": "loss.icepop_high",
-        "dro_beta": "loss.dro_beta"}
+        "dro_beta": "loss.dro_beta", "clip_cov_lb": "loss.clip_cov_lb",
+        "clip_cov_ub": "loss.clip_cov_ub"}
 
 
 def check_combination(*, surrogate: str, correction: str, aggregation: str,
@@ -23,7 +24,8 @@ def check_combination(*, surrogate: str, correction: str, aggregation: str,
                       correction_cap: float = 2.0,
                       correction_floor: float | None = None,
                       icepop_low: float = 0.5, icepop_high: float = 5.0,
-                      dro_beta: float | None = None) -> None:
+                      dro_beta: float | None = None, clip_cov_lb: float = 1.0,
+                      clip_cov_ub: float = 5.0) -> None:
   """Raises a one-line ValueError for a combination without a meaning
   (``old_logp``: ``rl.old_logp``; None skips the rule that needs it)."""
   if surrogate not in SURROGATES:
@@ -59,3 +61,7 @@ def check_combination(*, surrogate: str, correction: str, aggregation: str,
   if correction == "icepop" and icepop_low >= icepop_high:
     raise ValueError(f"loss.icepop_low={icepop_low} must be below "
                      f"loss.icepop_high={icepop_high}")
+  if surrogate == "clip_cov" and not clip_cov_lb < clip_cov_ub:
+    raise ValueError(f"loss.clip_cov_lb={clip_cov_lb} must be below "
+                     f"loss.clip_cov_ub={clip_cov_ub}: Clip-Cov's candidates "
+                     "have a covariance between the two")

@@ -86,7 +86,7 @@ KL_TYPES = ("k1", "k2", "k3")
 # The policy objective's per-token term and the sampler-trainer correction
 # (ba_jax.loss.objectives; docs/aggregation.md).
 SURROGATES = ("ppo_clip", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "luspo", "gpg",
-              "dro", "dppo_tv", "dppo_kl", "kl_cov")
+              "dro", "dppo_tv", "dppo_kl", "kl_cov", "clip_cov")
 CORRECTIONS = ("none", "tis_token", "tis_sequence", "mis_token", "mis_sequence", "icepop")
 OLD_LOGP_SOURCES = ("sampler", "recompute")
 MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -191,6 +191,15 @@ class Loss:
                             "covariance of A and logp) that get the penalty",
                             check=Check(lambda x: _finite(x) and 0 < x <= 1, "in (0, 1]"))
   kl_cov_coef: float = key(0.1, "kl_cov: the penalty's weight on |logp - old|", check=at_least(0))
+  clip_cov_ratio: float = key(2e-4, "clip_cov: the fraction of a loss call's tokens whose "
+                              "term is zeroed, drawn at random among its candidates "
+                              "(all of them when fewer)",
+                              check=Check(lambda x: _finite(x) and 0 < x <= 1, "in (0, 1]"))
+  clip_cov_lb: float = key(1.0, "clip_cov: the candidates are the tokens PPO did not clip "
+                           "whose covariance of A and logp (as kl_cov's) lies above this "
+                           "and below clip_cov_ub", check=FINITE)
+  clip_cov_ub: float = key(5.0, "clip_cov: the candidates' covariance upper bound "
+                           "(> clip_cov_lb)", check=FINITE)
   eps_low: float = key(0.2, "clip range below 1 (gmpo: of the log-ratio)",
                        check=between(0, 1, hi_open=True))
   eps_high: float = key(0.28, "clip range above 1 (clip-higher when > eps_low; gmpo: of the "
@@ -466,7 +475,8 @@ TASK_SECTIONS: dict[str, type] = {
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """A whole run."""
-  seed: int = key(0, "parameters, data stream and sampling all derive from it",
+  seed: int = key(0, "parameters, data stream, sampling and clip_cov's draws all derive "
+                  "from it",
                   check=at_least(0))
   init_from: str = key("", "a Hugging Face directory to start from ('': a random model "
                        "from the model section)")

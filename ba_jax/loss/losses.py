@@ -1,7 +1,7 @@
 """Per-token policy-gradient terms and the GRPO loss built from them.
 
 The surrogate (``ba_jax.loss.objectives``: PPO-clip by default, or GSPO,
-GMPO, CISPO, SAPO, LUSPO, GPG, DRO, DPPO, KL-Cov) times the sampler-trainer correction, the KL
+GMPO, CISPO, SAPO, LUSPO, GPG, DRO, DPPO, KL-Cov, Clip-Cov) times the sampler-trainer correction, the KL
 penalty and the entropy bonus are per-token arrays [N, T];
 ``ba_jax.loss.aggregation`` turns each into a scalar. The policy term uses
 the aggregation mode under study; the regularisers use their own mode
@@ -60,7 +60,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
                 dppo_tv_low: float = 0.15, dppo_tv_high: float = 0.15,
                 dppo_kl_low: float = 0.05, dppo_kl_high: float = 0.05,
                 dppo_cap: float = 20.0, kl_cov_ratio: float = 2e-4,
-                kl_cov_coef: float = 0.1):
+                kl_cov_coef: float = 0.1, clip_cov_ratio: float = 2e-4,
+                clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, key=None):
   """The GRPO loss and its metrics.
 
   Args:
@@ -71,9 +72,11 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
       options ``eps_low``/``eps_high``/``dual_clip``, ``cispo_cap``,
       ``sapo_tau_pos``/``sapo_tau_neg``, ``dro_beta``,
       ``dppo_tv_low``/``dppo_tv_high``, ``dppo_kl_low``/``dppo_kl_high``,
-      ``dppo_cap``, ``kl_cov_ratio``/``kl_cov_coef`` (kl_cov picks its tokens
-      among this call's, so it is the one term that depends on how a
-      mini-batch is split into micro-batches).
+      ``dppo_cap``, ``kl_cov_ratio``/``kl_cov_coef``,
+      ``clip_cov_ratio``/``clip_cov_lb``/``clip_cov_ub`` (kl_cov and
+      clip_cov pick their tokens among this call's, so they are the terms
+      that depend on how a mini-batch is split into micro-batches).
+    key: a PRNG key for clip_cov's draw (needed by it, unused otherwise).
     correction: the sampler-trainer correction (static),
       ``objectives.CORRECTIONS``, a stop-gradient factor on each token's
       term from ``old_logp - behaviour_logp`` (needed unless "none"); its
@@ -98,7 +101,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
       surrogate=surrogate, correction=correction, aggregation=aggregation,
       dual_clip=dual_clip, correction_cap=correction_cap,
       correction_floor=correction_floor, icepop_low=icepop_low,
-      icepop_high=icepop_high, dro_beta=dro_beta)
+      icepop_high=icepop_high, dro_beta=dro_beta, clip_cov_lb=clip_cov_lb,
+      clip_cov_ub=clip_cov_ub)
   check_option("reg_aggregation", reg_aggregation, agg.MODES)
   if kl_coef and ref_logp is None:
     raise ValueError(f"kl_coef={kl_coef} needs ref_logp; got None.")
@@ -132,7 +136,9 @@ def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
         sapo_tau_neg=sapo_tau_neg, dro_beta=dro_beta, dppo_tv_low=dppo_tv_low,
         dppo_tv_high=dppo_tv_high, dppo_kl_low=dppo_kl_low,
         dppo_kl_high=dppo_kl_high, dppo_cap=dppo_cap,
-        kl_cov_ratio=kl_cov_ratio, kl_cov_coef=kl_cov_coef)
+        kl_cov_ratio=kl_cov_ratio, kl_cov_coef=kl_cov_coef,
+        clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
+        clip_cov_ub=clip_cov_ub, key=key)
   metrics = {}
   if correction != "none":
     factor, corrected = objectives.correction_weights(

@@ -10,9 +10,10 @@ rule's weights ``w[n, t]`` (``ba_jax.loss.aggregation``) make the loss
 factor (``*_sequence``) is the same number on every token of its sequence,
 so it meets the rule through the sequence's total weight ``sum_t w[n, t]``.
 All three are static choices (``schema.SURROGATES``, ``schema.CORRECTIONS``).
-One surrogate reads statistics of the whole call: ``kl_cov`` picks the
-tokens it penalises among this call's response tokens, so with
-micro-batches its loss depends on how the mini-batch is split (as verl's).
+Two surrogates read statistics of the whole call: ``kl_cov`` picks the
+tokens it penalises among this call's response tokens, and ``clip_cov``
+draws the tokens it zeroes among them with a PRNG key, so with
+micro-batches their loss depends on how the mini-batch is split (as verl's).
 """
 from __future__ import annotations
 
@@ -123,6 +124,25 @@ def _dppo(logp, old_logp, adv_Nx1, *, divergence: str, low: float,
   return loss, ratio, low_masked, high_masked, inside & (ratio > cap)
 
 
+def _covariance(advantages, logp, on):
+  """``(A - mean A)(sg(logp) - mean sg(logp))`` per token, the means over
+  the ``on`` tokens; and their count ``n`` (float32)."""
+  m = on.astype(jnp.float32)
+  n = jnp.sum(m)
+  adv = jnp.broadcast_to(advantages[:, None], on.shape)
+  logp = jax.lax.stop_gradient(logp)
+  mean_adv = jnp.sum(adv * m) / jnp.maximum(n, 1.0)
+  mean_logp = jnp.sum(logp * m) / jnp.maximum(n, 1.0)
+  return (adv - mean_adv) * (logp - mean_logp), n
+
+
+def _ranks(keys):
+  """Each entry's place when the 1-D ``keys`` are sorted (stable), int32."""
+  order = jnp.argsort(keys, stable=True)
+  return jnp.zeros(order.shape, jnp.int32).at[order].set(
+      jnp.arange(order.size, dtype=jnp.int32))
+
+
 def top_covariance_tokens(advantages, logp, mask, fraction: float):
   """KL-Cov's tokens: among this call's ``n`` response tokens, the
   ``max(1, floor(fraction * n))`` with the largest ``(A - mean A)(logp -
@@ -131,18 +151,37 @@ def top_covariance_tokens(advantages, logp, mask, fraction: float):
   ``fraction * n`` lies within float32 rounding of an integer it may be one
   off Python's float64 product."""
   on = jnp.asarray(mask) > 0
-  m = on.astype(jnp.float32)
-  n = jnp.sum(m)
-  adv = jnp.broadcast_to(advantages[:, None], on.shape)
-  logp = jax.lax.stop_gradient(logp)
-  mean_adv = jnp.sum(adv * m) / jnp.maximum(n, 1.0)
-  mean_logp = jnp.sum(logp * m) / jnp.maximum(n, 1.0)
-  cov = jnp.where(on, (adv - mean_adv) * (logp - mean_logp), -jnp.inf)
+  cov, n = _covariance(advantages, logp, on)
+  cov = jnp.where(on, cov, -jnp.inf)
   count = jnp.maximum(1.0, jnp.floor(n * fraction))
-  order = jnp.argsort(-cov.ravel(), stable=True)
-  rank = jnp.zeros(order.shape, jnp.int32).at[order].set(
-      jnp.arange(order.size, dtype=jnp.int32))
-  return (rank.reshape(on.shape) < count) & on
+  return (_ranks(-cov.ravel()).reshape(on.shape) < count) & on
+
+
+def draw_tokens(candidates, count, key):
+  """``min(count, candidates.sum())`` of the ``candidates`` (bool [N, T]),
+  drawn uniformly without replacement with the PRNG ``key``: a bool [N, T].
+  Each candidate gets a uniform score and those of lowest score are taken;
+  the same key and candidates give the same tokens."""
+  candidates = jnp.asarray(candidates, bool)
+  scores = jax.random.uniform(key, candidates.shape)
+  rank = _ranks(jnp.where(candidates, scores, 2.0).ravel())
+  return (rank.reshape(candidates.shape) < count) & candidates
+
+
+def clip_cov_tokens(advantages, logp, mask, clipped, *, ratio: float,
+                    lb: float, ub: float, key):
+  """Clip-Cov's tokens (verl's ``clip_cov``): the candidates are this call's
+  ``n`` response tokens that PPO did not clip (``clipped``) and whose
+  ``(A - mean A)(logp - mean logp)`` (as KL-Cov's) lies in ``(lb, ub)``;
+  ``max(1, floor(ratio * n))`` of them are drawn with ``key``
+  (``draw_tokens``; all when there are fewer). Returns ``(chosen,
+  candidates)``, bool [N, T], no gradient; the count is float32's, as
+  ``top_covariance_tokens``'."""
+  on = jnp.asarray(mask) > 0
+  cov, n = _covariance(advantages, logp, on)
+  candidates = on & ~clipped & (cov > lb) & (cov < ub)
+  count = jnp.maximum(1.0, jnp.floor(n * ratio))
+  return draw_tokens(candidates, count, key), candidates
 
 
 def surrogate_terms(logp, old_logp, advantages, mask, *, surrogate: str,
@@ -152,13 +191,16 @@ def surrogate_terms(logp, old_logp, advantages, mask, *, surrogate: str,
                     dro_beta: float | None = None, dppo_tv_low: float = 0.15,
                     dppo_tv_high: float = 0.15, dppo_kl_low: float = 0.05,
                     dppo_kl_high: float = 0.05, dppo_cap: float = 20.0,
-                    kl_cov_ratio: float = 2e-4, kl_cov_coef: float = 0.1):
+                    kl_cov_ratio: float = 2e-4, kl_cov_coef: float = 0.1,
+                    clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0,
+                    clip_cov_ub: float = 5.0, key=None):
   """The policy term ``l[n, t]`` of ``surrogate`` (see ``SURROGATES``).
 
   Args:
     logp, old_logp: [N, T] current and old log-probs; advantages: [N];
     mask: [N, T] (the sequence-level ratios average over its tokens;
-      kl_cov picks its tokens among them).
+      kl_cov and clip_cov pick their tokens among them).
+    key: a PRNG key, clip_cov's draw (needed by it, unused by the rest).
 
   Returns:
     ``(loss_NxT, ratio_NxT, low_NxT, high_NxT, dual_NxT)`` as
@@ -167,7 +209,8 @@ def surrogate_terms(logp, old_logp, advantages, mask, *, surrogate: str,
     ``high`` mark tokens a clip acted on (for cispo: whose IS weight was
     capped, the gradient kept; for dppo: masked outside the trust region,
     A < 0 / A > 0); ``dual`` the dual clip's (for dppo: tokens in the trust
-    region whose weight ``dppo_cap`` truncated).
+    region whose weight ``dppo_cap`` truncated; for clip_cov: the tokens it
+    drew and zeroed).
   """
   if surrogate not in SURROGATES:
     raise ValueError(f"Unknown loss.surrogate {surrogate!r}; expected one of "
@@ -226,6 +269,26 @@ def surrogate_terms(logp, old_logp, advantages, mask, *, surrogate: str,
     # step, where logp can equal old) is 0, as torch's abs, not jnp.abs's 1.
     penalty = jnp.where(chosen, kl_cov_coef * jnp.sign(log_ratio) * log_ratio, 0.0)
     return -adv * ratio + penalty, ratio, none, none, none
+  if surrogate == "clip_cov":
+    if not 0.0 < clip_cov_ratio <= 1.0:
+      raise ValueError(f"loss.clip_cov_ratio must be in (0, 1]; got "
+                       f"{clip_cov_ratio!r}.")
+    if not clip_cov_lb < clip_cov_ub:
+      raise ValueError(f"loss.clip_cov_lb={clip_cov_lb!r} must be below "
+                       f"loss.clip_cov_ub={clip_cov_ub!r}.")
+    if key is None:
+      raise ValueError("loss.surrogate='clip_cov' draws its tokens at random: "
+                       "pass a PRNG key (key=None given).")
+    # verl's clip test: the clipped branch is the larger term (no dual clip).
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    chosen, _ = clip_cov_tokens(advantages, logp, mask, clipped > unclipped,
+                                ratio=clip_cov_ratio, lb=clip_cov_lb,
+                                ub=clip_cov_ub, key=key)
+    low = (adv < 0) & (ratio < 1.0 - eps_low)
+    high = (adv > 0) & (ratio > 1.0 + eps_high)
+    return (jnp.where(chosen, 0.0, jnp.maximum(unclipped, clipped)), ratio,
+            low, high, chosen)
   if surrogate == "cispo":
     weight = jax.lax.stop_gradient(jnp.minimum(ratio, cispo_cap))
     return -weight * adv * logp, ratio, none, ratio > cispo_cap, none

@@ -13,7 +13,7 @@ from ba_jax.run.model_setup import batch_shards, config_rules
 
 
 def step_config(cfg: schema.RunConfig) -> ts.StepConfig:
-  """The static update options from the config's ``loss`` and ``rl``."""
+  """The static update options from the config's ``loss``, ``rl`` and seed."""
   loss, rl = cfg.loss, cfg.rl
   return ts.StepConfig(
       group_size=rl.group_size, aggregation=loss.aggregation,
@@ -30,7 +30,9 @@ def step_config(cfg: schema.RunConfig) -> ts.StepConfig:
       dppo_tv_low=loss.dppo_tv_low, dppo_tv_high=loss.dppo_tv_high,
       dppo_kl_low=loss.dppo_kl_low, dppo_kl_high=loss.dppo_kl_high,
       dppo_cap=loss.dppo_cap, kl_cov_ratio=loss.kl_cov_ratio,
-      kl_cov_coef=loss.kl_cov_coef, old_logp=rl.old_logp,
+      kl_cov_coef=loss.kl_cov_coef, clip_cov_ratio=loss.clip_cov_ratio,
+      clip_cov_lb=loss.clip_cov_lb, clip_cov_ub=loss.clip_cov_ub,
+      seed=cfg.seed, old_logp=rl.old_logp,
       ppo_epochs=rl.ppo_epochs, num_minibatches=rl.num_minibatches,
       num_microbatches=rl.num_microbatches, temperature=rl.temperature,
       share_prompt=rl.share_prompt)

@@ -43,7 +43,8 @@ from ba_jax.run.setup import (Setup, abstract_saved_state, abstract_state, base_
 from ba_jax.run.workdir import write_run_files
 from ba_jax.policy.scoring import score_responses
 
-EVAL_KEY = 2**31  # fold_in index of the evaluation key (RL steps use 0..)
+EVAL_KEY = 2**31  # fold_in index of the evaluation key (RL steps use 0..;
+# the update's clip_cov draws fold in ts.UPDATE_KEY)
 HELDOUT_DIR = "heldout"  # per-problem held-out results, one file per step
 
 

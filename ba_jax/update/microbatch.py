@@ -76,7 +76,7 @@ def combine_metrics(metrics_k: dict) -> dict:
 
 
 def accumulate_gradients(loss_fn: Callable, params: Any, batch: Any, *,
-                         num_micro_batches: int):
+                         num_micro_batches: int, key=None):
   """Sum of ``loss_fn`` and its gradient over micro-batches.
 
   Args:
@@ -87,19 +87,25 @@ def accumulate_gradients(loss_fn: Callable, params: Any, batch: Any, *,
     params: the pytree to differentiate.
     batch: pytree of arrays with a leading axis N.
     num_micro_batches: k, a divisor of N; run sequentially with ``lax.scan``.
+    key: None, or a PRNG key: ``loss_fn`` is then called as
+      ``loss_fn(params, micro_batch, fold_in(key, i))`` for micro-batch i.
 
   Returns:
     ``(loss, grads, metrics)``, the loss and gradient summed over the parts.
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  part = lambda micro_batch, micro_key: grad_fn(
+      params, micro_batch, *(() if micro_key is None else (micro_key,)))
+  keys = None if key is None else jax.vmap(lambda i: jax.random.fold_in(key, i))(
+      jnp.arange(num_micro_batches))
   if num_micro_batches == 1:
-    (loss, metrics), grads = grad_fn(params, batch)
+    (loss, metrics), grads = part(batch, None if keys is None else keys[0])
     return loss, grads, metrics
   micro_batches = split_micro_batches(batch, num_micro_batches)
 
-  def step(carry, micro_batch):
+  def step(carry, xs):
     loss_sum, grad_sum = carry
-    (loss, metrics), grads = grad_fn(params, micro_batch)
+    (loss, metrics), grads = part(*xs)
     grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum,
                             grads)
     return (loss_sum + loss, grad_sum), metrics
@@ -107,6 +113,6 @@ def accumulate_gradients(loss_fn: Callable, params: Any, batch: Any, *,
   # Accumulate in float32 even for bfloat16 parameters, cast back at the end.
   zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
   (loss, grads), metrics_k = jax.lax.scan(
-      step, (jnp.zeros((), jnp.float32), zeros), micro_batches)
+      step, (jnp.zeros((), jnp.float32), zeros), (micro_batches, keys))
   grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)
   return loss, grads, combine_metrics(metrics_k)

@@ -12,6 +12,12 @@ Aggregation weights are computed once per PPO mini-batch, before the
 mini-batch is split into micro-batches, so the update does not depend on how
 the batch is split (``ba_jax.update.microbatch``). A mini-batch whose loss or
 gradient is not finite leaves the state untouched and is counted.
+
+The step holds no PRNG key: the one random term, ``clip_cov``'s draw,
+derives its key from ``cfg.seed`` and the step counter in the state
+(``update_key``), then folds in the epoch, mini-batch and micro-batch, so
+every loss call draws afresh and a resumed run draws what an uninterrupted
+one would. Other surrogates trace no key at all.
 """
 from __future__ import annotations
 
@@ -67,7 +73,9 @@ SCHEMA_KEYS = {
     "dppo_tv_low": "loss.dppo_tv_low", "dppo_tv_high": "loss.dppo_tv_high",
     "dppo_kl_low": "loss.dppo_kl_low", "dppo_kl_high": "loss.dppo_kl_high",
     "dppo_cap": "loss.dppo_cap", "kl_cov_ratio": "loss.kl_cov_ratio",
-    "kl_cov_coef": "loss.kl_cov_coef", "old_logp": "rl.old_logp",
+    "kl_cov_coef": "loss.kl_cov_coef", "clip_cov_ratio": "loss.clip_cov_ratio",
+    "clip_cov_lb": "loss.clip_cov_lb", "clip_cov_ub": "loss.clip_cov_ub",
+    "seed": "seed", "old_logp": "rl.old_logp",
     "ppo_epochs": "rl.ppo_epochs", "num_minibatches": "rl.num_minibatches",
     "num_microbatches": "rl.num_microbatches", "temperature": "rl.temperature",
     "share_prompt": "rl.share_prompt"}
@@ -105,6 +113,11 @@ class StepConfig:
   dppo_cap: float = 20.0
   kl_cov_ratio: float = 2e-4
   kl_cov_coef: float = 0.1
+  clip_cov_ratio: float = 2e-4
+  clip_cov_lb: float = 1.0
+  clip_cov_ub: float = 5.0
+  # The run's seed: clip_cov's draws derive from it (``update_key``).
+  seed: int = 0
   # Where the batch's old_logp come from: "sampler" (its log-probs stand in
   # for old), or "recompute" (the batch then also holds the sampler's as
   # behaviour_logp).
@@ -132,7 +145,8 @@ class StepConfig:
         aggregation=self.aggregation, dual_clip=self.dual_clip,
         old_logp=self.old_logp, correction_cap=self.correction_cap,
         correction_floor=self.correction_floor, icepop_low=self.icepop_low,
-        icepop_high=self.icepop_high, dro_beta=self.dro_beta)
+        icepop_high=self.icepop_high, dro_beta=self.dro_beta,
+        clip_cov_lb=self.clip_cov_lb, clip_cov_ub=self.clip_cov_ub)
 
   @property
   def objective(self) -> dict:
@@ -141,7 +155,8 @@ class StepConfig:
         "surrogate", "correction", "correction_cap", "correction_floor",
         "icepop_low", "icepop_high", "cispo_cap", "sapo_tau_pos", "sapo_tau_neg",
         "dro_beta", "dppo_tv_low", "dppo_tv_high", "dppo_kl_low", "dppo_kl_high",
-        "dppo_cap", "kl_cov_ratio", "kl_cov_coef")}
+        "dppo_cap", "kl_cov_ratio", "kl_cov_coef", "clip_cov_ratio",
+        "clip_cov_lb", "clip_cov_ub")}
 
   def check_batch(self, num_rows: int, data_shards: int = 1) -> None:
     """Raises if ``num_rows`` does not split into groups, mini/micro-batches
@@ -214,7 +229,21 @@ def create_state(params, tx: optax.GradientTransformation) -> TrainState:
                     nonfinite=jnp.zeros((), jnp.int32))
 
 
-def _loss_fn(params, micro, *, graphdef, cfg: StepConfig, keep_logp: bool = False):
+# The fold_in index of the update's random draws under the run's key
+# ``jax.random.key(seed)``; the trainer folds in 0, 1, ... (the RL step) for
+# its rollouts and 2**31, 2**31 + 1 for its evaluations.
+UPDATE_KEY = 2**31 + 2
+
+
+def update_key(seed: int, step):
+  """The key of RL step ``step``'s update: from the run's seed and the step
+  counter alone, so a resumed run gets the key an uninterrupted one had."""
+  return jax.random.fold_in(
+      jax.random.fold_in(jax.random.key(seed), UPDATE_KEY), step)
+
+
+def _loss_fn(params, micro, key=None, *, graphdef, cfg: StepConfig,
+             keep_logp: bool = False):
   model = nnx.merge(graphdef, params)
   logp_NxT, entropy_NxT = score_responses(
       model, micro["prompt_ids"], micro["prompt_mask"], micro["response_ids"],
@@ -230,18 +259,19 @@ def _loss_fn(params, micro, *, graphdef, cfg: StepConfig, keep_logp: bool = Fals
       max_response_len=cfg.max_response_len,
       ba_denominator=cfg.ba_denominator, ba_scope=cfg.ba_scope,
       weights=micro["weights"], reg_weights=micro["reg_weights"],
-      behaviour_logp=micro.get("behaviour_logp"), **cfg.objective)
+      behaviour_logp=micro.get("behaviour_logp"), key=key, **cfg.objective)
   if keep_logp:  # the current log-probs, for the mismatch metrics
     loss, metrics = out
     return loss, dict(metrics, rows_logp=jax.lax.stop_gradient(logp_NxT))
   return out
 
 
-def _update(state: TrainState, mini: dict, *, graphdef, tx, cfg: StepConfig,
-            keep_logp: bool = False):
+def _update(state: TrainState, mini: dict, key=None, *, graphdef, tx,
+            cfg: StepConfig, keep_logp: bool = False):
   """One optimizer update on one mini-batch; skipped when not finite. With
   ``keep_logp`` the metrics also hold ``rows_logp``, the mini-batch's
-  log-probs before the update."""
+  log-probs before the update; ``key`` (clip_cov only) is the mini-batch's,
+  its micro-batch's index folded in for each loss call."""
   mask_NxT = mini["response_mask"].astype(jnp.float32)
   mini = dict(mini, **microbatch.mini_batch_weights(
       mask_NxT, mini["advantages"], aggregation=cfg.aggregation,
@@ -250,10 +280,10 @@ def _update(state: TrainState, mini: dict, *, graphdef, tx, cfg: StepConfig,
       ba_denominator=cfg.ba_denominator, ba_scope=cfg.ba_scope))
   # Gradients and updates of the trainable part only (LoRA: the adapters).
   train, frozen = trainable(state.params)
-  loss_fn = lambda p, micro: _loss_fn(_join(p, frozen), micro, graphdef=graphdef, cfg=cfg,
-                                      keep_logp=keep_logp)
+  loss_fn = lambda p, micro, key=None: _loss_fn(
+      _join(p, frozen), micro, key, graphdef=graphdef, cfg=cfg, keep_logp=keep_logp)
   loss, grads, metrics = microbatch.accumulate_gradients(
-      loss_fn, train, mini, num_micro_batches=cfg.num_microbatches)
+      loss_fn, train, mini, num_micro_batches=cfg.num_microbatches, key=key)
   grad_norm = optax.global_norm(grads)
   updates, opt_state = tx.update(grads, state.opt_state, train)
   update_norm = optax.global_norm(updates)
@@ -324,17 +354,26 @@ def _train_step(state: TrainState, batch: dict, *, graphdef, tx, cfg: StepConfig
   update = functools.partial(_update, graphdef=graphdef, tx=tx, cfg=cfg,
                              keep_logp=track_first)
 
+  # clip_cov's keys: the step's, then the epoch's, then each mini-batch's
+  # (None for every other surrogate: nothing random is traced).
+  step_key = update_key(cfg.seed, state.step) if cfg.surrogate == "clip_cov" else None
+
   def one_update(carry, xs):
     state, first_logp = carry
-    mini, is_first = xs
-    state, metrics = update(state, mini)
+    mini, is_first, key = xs
+    state, metrics = update(state, mini, key)
     if track_first:
       first_logp = jnp.where(is_first, metrics.pop("rows_logp"), first_logp)
     return (state, first_logp), metrics
 
   def epoch(carry, epoch_index):
     is_first = (epoch_index == 0) & (jnp.arange(cfg.num_minibatches) == 0)
-    return jax.lax.scan(one_update, carry, (minis, is_first))
+    keys = None
+    if step_key is not None:
+      epoch_key = jax.random.fold_in(step_key, epoch_index)
+      keys = jax.vmap(lambda i: jax.random.fold_in(epoch_key, i))(
+          jnp.arange(cfg.num_minibatches))
+    return jax.lax.scan(one_update, carry, (minis, is_first, keys))
 
   first_logp = jnp.zeros_like(minis["old_logp"][0]) if track_first else None
   (state, first_logp), stacked = jax.lax.scan(
