@@ -186,3 +186,46 @@ def test_nested_lora_section_parses_checks_and_lists():
                                                    "module_path": ".*"}
   assert "model.lora.rank" in [row[0] for row in schema.rows(schema.Model, "model.")]
   assert "model.lora.rank" in schema.help_text()
+
+
+def test_default_reads_a_key_from_its_section_and_names_an_unknown_key():
+  assert schema.default("loss.cispo_cap") == schema.Loss().cispo_cap
+  assert schema.default("rl.group_size") == schema.Rl().group_size
+  assert schema.default("model.lora.rank") == schema.Lora().rank
+  assert schema.default("seed") == schema.RunConfig().seed
+  with pytest.raises(KeyError, match="loss.no_such_key"):
+    schema.default("loss.no_such_key")
+
+
+def test_the_update_takes_every_loss_option_with_the_run_configs_default():
+  import inspect
+
+  from ba_jax.loss import losses, objectives
+  from ba_jax.run import checks
+  from ba_jax.update import train_step as ts
+
+  # StepConfig: every field is a schema key with the key's default, except
+  # the two its docstring names.
+  differ = {f.name for f in dataclasses.fields(ts.StepConfig)
+            if f.default is not dataclasses.MISSING
+            and f.default != schema.default(ts.SCHEMA_KEYS[f.name])}
+  assert differ == {"eps_high", "num_minibatches"}
+  # The functions' objective options default as the run config does.
+  for fn in (losses.policy_loss, objectives.surrogate_terms):
+    for name, p in inspect.signature(fn).parameters.items():
+      if name in ts.SCHEMA_KEYS and ts.SCHEMA_KEYS[name] not in (
+          "loss.eps_high", "loss.dual_clip") and p.default is not p.empty:
+        assert p.default == schema.default(ts.SCHEMA_KEYS[name]), (fn, name)
+  # step_config reads every key: a run config with non-default values
+  # everywhere comes through whole.
+  cfg = schema.parse({"seed": 7, "loss": {"cispo_cap": 3.0, "clip_cov_ub": 4.0,
+                                          "surrogate": "cispo"},
+                      "rl": {"ppo_epochs": 2}})
+  step = checks.step_config(cfg)
+  for name, dotted in ts.SCHEMA_KEYS.items():
+    if name != "max_response_len":
+      section, _, key = dotted.rpartition(".")
+      want = getattr(getattr(cfg, section) if section else cfg, key)
+      assert getattr(step, name) == want, name
+  assert (step.seed, step.cispo_cap, step.clip_cov_ub, step.ppo_epochs) == (7, 3.0, 4.0, 2)
+  assert step.max_response_len == (cfg.loss.max_response_len or cfg.rl.max_new_tokens)

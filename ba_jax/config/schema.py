@@ -599,6 +599,21 @@ def check(dotted: str, value):
   return getattr(_section(cls, {name: value}, f"{section}." if section else ""), name)
 
 
+def default(dotted: str):
+  """The default of the schema's key ``dotted`` (e.g. ``"loss.cispo_cap"``),
+  for the typed configs and functions of lower modules that take the key
+  as an option with the run config's default."""
+  section, _, name = dotted.rpartition(".")
+  head, *nested = section.split(".") if section else [""]
+  cls = SECTIONS[head] if head else RunConfig
+  for part in nested:
+    cls = typing.get_type_hints(cls)[part]
+  for f in dataclasses.fields(cls):
+    if f.name == name:
+      return _default(f)
+  raise KeyError(f"{dotted!r} is not a key of the run config")
+
+
 def task_section(values) -> Any:
   """The typed ``task`` section for its ``name``."""
   values = _plain(values)

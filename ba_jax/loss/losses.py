@@ -22,6 +22,8 @@ from ba_jax.loss.objectives import clipped_surrogate  # noqa: F401 (public name)
 
 KL_TYPES = schema.KL_TYPES
 
+_D = schema.default  # a key's run-config default (``ba_jax.config.schema``)
+
 
 def kl_penalty(logp, ref_logp, kind: str = "k3"):
   """Per-token estimate of KL(policy || reference) from sampled tokens.
@@ -43,25 +45,32 @@ def _masked_mean(x, mask):
 
 
 def policy_loss(logp, old_logp, advantages, mask, *, group_size: int,
-                aggregation: str, eps_low: float = 0.2,
-                eps_high: float = 0.2, dual_clip: float | None = None,
-                ref_logp=None, kl_coef: float = 0.0, kl_type: str = "k3",
-                entropy=None, entropy_coef: float = 0.0,
-                reg_aggregation: str = "token",
+                aggregation: str, eps_low: float = 0.2, eps_high: float = 0.2,
+                dual_clip: float | None = None, ref_logp=None,
+                kl_coef: float = 0.0, kl_type: str = "k3", entropy=None,
+                entropy_coef: float = 0.0, reg_aggregation: str = "token",
                 max_response_len: int | None = None,
                 ba_denominator: str = "group", ba_scope: str = "group",
                 weights=None, reg_weights=None, surrogate: str = "ppo_clip",
                 correction: str = "none", behaviour_logp=None,
-                correction_cap: float = 2.0,
-                correction_floor: float | None = None,
-                icepop_low: float = 0.5, icepop_high: float = 5.0,
-                cispo_cap: float = 5.0, sapo_tau_pos: float = 1.0,
-                sapo_tau_neg: float = 1.05, dro_beta: float | None = None,
-                dppo_tv_low: float = 0.15, dppo_tv_high: float = 0.15,
-                dppo_kl_low: float = 0.05, dppo_kl_high: float = 0.05,
-                dppo_cap: float = 20.0, kl_cov_ratio: float = 2e-4,
-                kl_cov_coef: float = 0.1, clip_cov_ratio: float = 2e-4,
-                clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, key=None):
+                correction_cap: float = _D("loss.correction_cap"),
+                correction_floor: float | None = _D("loss.correction_floor"),
+                icepop_low: float = _D("loss.icepop_low"),
+                icepop_high: float = _D("loss.icepop_high"),
+                cispo_cap: float = _D("loss.cispo_cap"),
+                sapo_tau_pos: float = _D("loss.sapo_tau_pos"),
+                sapo_tau_neg: float = _D("loss.sapo_tau_neg"),
+                dro_beta: float | None = _D("loss.dro_beta"),
+                dppo_tv_low: float = _D("loss.dppo_tv_low"),
+                dppo_tv_high: float = _D("loss.dppo_tv_high"),
+                dppo_kl_low: float = _D("loss.dppo_kl_low"),
+                dppo_kl_high: float = _D("loss.dppo_kl_high"),
+                dppo_cap: float = _D("loss.dppo_cap"),
+                kl_cov_ratio: float = _D("loss.kl_cov_ratio"),
+                kl_cov_coef: float = _D("loss.kl_cov_coef"),
+                clip_cov_ratio: float = _D("loss.clip_cov_ratio"),
+                clip_cov_lb: float = _D("loss.clip_cov_lb"),
+                clip_cov_ub: float = _D("loss.clip_cov_ub"), key=None):
   """The GRPO loss and its metrics.
 
   Args:

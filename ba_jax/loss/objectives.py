@@ -34,6 +34,8 @@ GMPO_LOG_RATIO_BOUND = 20.0
 # token at p = 1 (a log-prob of exactly 0 in float32) keeps a finite divergence.
 DPPO_KL_EPS = 1e-8
 
+_D = schema.default  # a key's run-config default (``ba_jax.config.schema``)
+
 
 def clipped_surrogate(logp, old_logp, advantages, *, eps_low: float,
                       eps_high: float, dual_clip: float | None = None):
@@ -186,14 +188,21 @@ def clip_cov_tokens(advantages, logp, mask, clipped, *, ratio: float,
 
 def surrogate_terms(logp, old_logp, advantages, mask, *, surrogate: str,
                     eps_low: float, eps_high: float,
-                    dual_clip: float | None = None, cispo_cap: float = 5.0,
-                    sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05,
-                    dro_beta: float | None = None, dppo_tv_low: float = 0.15,
-                    dppo_tv_high: float = 0.15, dppo_kl_low: float = 0.05,
-                    dppo_kl_high: float = 0.05, dppo_cap: float = 20.0,
-                    kl_cov_ratio: float = 2e-4, kl_cov_coef: float = 0.1,
-                    clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0,
-                    clip_cov_ub: float = 5.0, key=None):
+                    dual_clip: float | None = None,
+                    cispo_cap: float = _D("loss.cispo_cap"),
+                    sapo_tau_pos: float = _D("loss.sapo_tau_pos"),
+                    sapo_tau_neg: float = _D("loss.sapo_tau_neg"),
+                    dro_beta: float | None = _D("loss.dro_beta"),
+                    dppo_tv_low: float = _D("loss.dppo_tv_low"),
+                    dppo_tv_high: float = _D("loss.dppo_tv_high"),
+                    dppo_kl_low: float = _D("loss.dppo_kl_low"),
+                    dppo_kl_high: float = _D("loss.dppo_kl_high"),
+                    dppo_cap: float = _D("loss.dppo_cap"),
+                    kl_cov_ratio: float = _D("loss.kl_cov_ratio"),
+                    kl_cov_coef: float = _D("loss.kl_cov_coef"),
+                    clip_cov_ratio: float = _D("loss.clip_cov_ratio"),
+                    clip_cov_lb: float = _D("loss.clip_cov_lb"),
+                    clip_cov_ub: float = _D("loss.clip_cov_ub"), key=None):
   """The policy term ``l[n, t]`` of ``surrogate`` (see ``SURROGATES``).
 
   Args:
@@ -299,8 +308,10 @@ def surrogate_terms(logp, old_logp, advantages, mask, *, surrogate: str,
 
 
 def correction_weights(old_logp, behaviour_logp, mask, *, correction: str,
-                       cap: float = 2.0, floor: float | None = None,
-                       icepop_low: float = 0.5, icepop_high: float = 5.0):
+                       cap: float = _D("loss.correction_cap"),
+                       floor: float | None = _D("loss.correction_floor"),
+                       icepop_low: float = _D("loss.icepop_low"),
+                       icepop_high: float = _D("loss.icepop_high")):
   """The stop-gradient factor ``c`` for the sampler-trainer mismatch.
 
   ``rho = exp(old - behaviour)`` per token (``*_token``, icepop) or its

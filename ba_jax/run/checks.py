@@ -3,6 +3,7 @@ devices (each key's own type and range is ``ba_jax.config.schema``'s)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 
@@ -13,29 +14,13 @@ from ba_jax.run.model_setup import batch_shards, config_rules
 
 
 def step_config(cfg: schema.RunConfig) -> ts.StepConfig:
-  """The static update options from the config's ``loss``, ``rl`` and seed."""
-  loss, rl = cfg.loss, cfg.rl
-  return ts.StepConfig(
-      group_size=rl.group_size, aggregation=loss.aggregation,
-      eps_low=loss.eps_low, eps_high=loss.eps_high, dual_clip=loss.dual_clip,
-      kl_coef=loss.kl_coef, kl_type=loss.kl_type,
-      entropy_coef=loss.entropy_coef, reg_aggregation=loss.reg_aggregation,
-      max_response_len=loss.max_response_len or rl.max_new_tokens,
-      ba_denominator=loss.ba_denominator, ba_scope=loss.ba_scope,
-      surrogate=loss.surrogate, correction=loss.correction,
-      correction_cap=loss.correction_cap, correction_floor=loss.correction_floor,
-      icepop_low=loss.icepop_low, icepop_high=loss.icepop_high,
-      cispo_cap=loss.cispo_cap, sapo_tau_pos=loss.sapo_tau_pos,
-      sapo_tau_neg=loss.sapo_tau_neg, dro_beta=loss.dro_beta,
-      dppo_tv_low=loss.dppo_tv_low, dppo_tv_high=loss.dppo_tv_high,
-      dppo_kl_low=loss.dppo_kl_low, dppo_kl_high=loss.dppo_kl_high,
-      dppo_cap=loss.dppo_cap, kl_cov_ratio=loss.kl_cov_ratio,
-      kl_cov_coef=loss.kl_cov_coef, clip_cov_ratio=loss.clip_cov_ratio,
-      clip_cov_lb=loss.clip_cov_lb, clip_cov_ub=loss.clip_cov_ub,
-      seed=cfg.seed, old_logp=rl.old_logp,
-      ppo_epochs=rl.ppo_epochs, num_minibatches=rl.num_minibatches,
-      num_microbatches=rl.num_microbatches, temperature=rl.temperature,
-      share_prompt=rl.share_prompt)
+  """The static update options: the config's keys ``ts.SCHEMA_KEYS`` names
+  (``loss.*``, ``rl.*`` and the seed), with ``loss.max_response_len``
+  defaulting to ``rl.max_new_tokens``."""
+  values = {name: functools.reduce(getattr, dotted.split("."), cfg)
+            for name, dotted in ts.SCHEMA_KEYS.items()}
+  values["max_response_len"] = cfg.loss.max_response_len or cfg.rl.max_new_tokens
+  return ts.StepConfig(**values)
 
 
 def validate(config: schema.RunConfig, mesh) -> ts.StepConfig:

@@ -81,54 +81,64 @@ SCHEMA_KEYS = {
     "share_prompt": "rl.share_prompt"}
 
 
+def _default(name: str):
+  """The run config's default of StepConfig field ``name``."""
+  return schema.default(SCHEMA_KEYS[name])
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-  """The static options of the update (hashable: part of the jit key)."""
+  """The static options of the update (hashable: part of the jit key).
+
+  Each field is the run config's key ``SCHEMA_KEYS[field]``, with its
+  default, except ``eps_high`` (0.2, the symmetric PPO clip, where a run
+  config's default is clip-higher 0.28) and ``num_minibatches`` (1: one
+  update a step, where a run config's default is 2)."""
   group_size: int
-  aggregation: str = "balanced"
-  eps_low: float = 0.2
+  aggregation: str = _default("aggregation")
+  eps_low: float = _default("eps_low")
   eps_high: float = 0.2
-  dual_clip: float | None = None
-  kl_coef: float = 0.0
-  kl_type: str = "k3"
-  entropy_coef: float = 0.0
-  reg_aggregation: str = "token"
-  max_response_len: int | None = None
-  ba_denominator: str = "group"
-  ba_scope: str = "group"
-  surrogate: str = "ppo_clip"
-  correction: str = "none"
-  correction_cap: float = 2.0
-  correction_floor: float | None = None
-  icepop_low: float = 0.5
-  icepop_high: float = 5.0
-  cispo_cap: float = 5.0
-  sapo_tau_pos: float = 1.0
-  sapo_tau_neg: float = 1.05
-  dro_beta: float | None = None
-  dppo_tv_low: float = 0.15
-  dppo_tv_high: float = 0.15
-  dppo_kl_low: float = 0.05
-  dppo_kl_high: float = 0.05
-  dppo_cap: float = 20.0
-  kl_cov_ratio: float = 2e-4
-  kl_cov_coef: float = 0.1
-  clip_cov_ratio: float = 2e-4
-  clip_cov_lb: float = 1.0
-  clip_cov_ub: float = 5.0
+  dual_clip: float | None = _default("dual_clip")
+  kl_coef: float = _default("kl_coef")
+  kl_type: str = _default("kl_type")
+  entropy_coef: float = _default("entropy_coef")
+  reg_aggregation: str = _default("reg_aggregation")
+  max_response_len: int | None = _default("max_response_len")
+  ba_denominator: str = _default("ba_denominator")
+  ba_scope: str = _default("ba_scope")
+  surrogate: str = _default("surrogate")
+  correction: str = _default("correction")
+  correction_cap: float = _default("correction_cap")
+  correction_floor: float | None = _default("correction_floor")
+  icepop_low: float = _default("icepop_low")
+  icepop_high: float = _default("icepop_high")
+  cispo_cap: float = _default("cispo_cap")
+  sapo_tau_pos: float = _default("sapo_tau_pos")
+  sapo_tau_neg: float = _default("sapo_tau_neg")
+  dro_beta: float | None = _default("dro_beta")
+  dppo_tv_low: float = _default("dppo_tv_low")
+  dppo_tv_high: float = _default("dppo_tv_high")
+  dppo_kl_low: float = _default("dppo_kl_low")
+  dppo_kl_high: float = _default("dppo_kl_high")
+  dppo_cap: float = _default("dppo_cap")
+  kl_cov_ratio: float = _default("kl_cov_ratio")
+  kl_cov_coef: float = _default("kl_cov_coef")
+  clip_cov_ratio: float = _default("clip_cov_ratio")
+  clip_cov_lb: float = _default("clip_cov_lb")
+  clip_cov_ub: float = _default("clip_cov_ub")
   # The run's seed: clip_cov's draws derive from it (``update_key``).
-  seed: int = 0
+  seed: int = _default("seed")
   # Where the batch's old_logp come from: "sampler" (its log-probs stand in
   # for old), or "recompute" (the batch then also holds the sampler's as
   # behaviour_logp).
-  old_logp: str = "sampler"
-  ppo_epochs: int = 1
+  old_logp: str = _default("old_logp")
+  ppo_epochs: int = _default("ppo_epochs")
   num_minibatches: int = 1
-  num_microbatches: int = 1
-  temperature: float = 1.0
+  num_microbatches: int = _default("num_microbatches")
+  temperature: float = _default("temperature")
   # Each group's prompt computed once in the forward pass (score_responses'
   # prompt_group): micro-batches must then hold whole groups.
-  share_prompt: bool = False
+  share_prompt: bool = _default("share_prompt")
 
   @property
   def prompt_group(self) -> int:
