@@ -587,15 +587,22 @@ def _section(cls, values: dict, prefix: str):
   return cls(**out)
 
 
+def _section_class(section: str) -> type:
+  """The dataclass of a dotted section (``""`` the top level, ``"model.lora"``
+  a nested one)."""
+  head, *nested = section.split(".") if section else [""]
+  cls = SECTIONS[head] if head else RunConfig
+  for part in nested:
+    cls = typing.get_type_hints(cls)[part]
+  return cls
+
+
 def check(dotted: str, value):
   """``value`` checked (and coerced) as the schema's key ``dotted`` (e.g.
   ``"rl.group_size"``); the typed configs of lower modules check their
   fields with it."""
   section, _, name = dotted.rpartition(".")
-  head, *nested = section.split(".") if section else [""]
-  cls = SECTIONS[head] if head else RunConfig
-  for part in nested:
-    cls = typing.get_type_hints(cls)[part]
+  cls = _section_class(section)
   return getattr(_section(cls, {name: value}, f"{section}." if section else ""), name)
 
 
@@ -604,10 +611,7 @@ def default(dotted: str):
   for the typed configs and functions of lower modules that take the key
   as an option with the run config's default."""
   section, _, name = dotted.rpartition(".")
-  head, *nested = section.split(".") if section else [""]
-  cls = SECTIONS[head] if head else RunConfig
-  for part in nested:
-    cls = typing.get_type_hints(cls)[part]
+  cls = _section_class(section)
   for f in dataclasses.fields(cls):
     if f.name == name:
       return _default(f)
