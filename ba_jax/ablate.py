@@ -12,7 +12,9 @@ time (default); sub-meshes of this host's devices (``devices``,
 ``--launcher``, ``--slices``). The logic is ``ba_jax.ablation.stages`` and
 ``ba_jax.ablation.placement``. ``report`` also logs the study to Weights &
 Biases as one run when the base config's ``log.backends`` names wandb, or
-with ``--wandb`` (``--wandb=off``: never).
+with ``--wandb`` (``--wandb=off``: never). Runs share JAX's persistent
+compilation cache (``--compilation_cache``, default ``<outdir>/runs/xla_cache``),
+so a study compiles each distinct program once, not once per run.
 """
 from __future__ import annotations
 
@@ -55,6 +57,11 @@ def main(argv=None) -> int:
                            "at a time on each")
   parser.add_argument("--python", default="python3",
                       help="launcher: the interpreter {cmd} names on the slices")
+  parser.add_argument("--compilation_cache", default="auto",
+                      help="JAX's persistent compilation cache for the runs: "
+                           "auto (<outdir>/runs/xla_cache, or "
+                           "JAX_COMPILATION_CACHE_DIR where set), off, or a "
+                           "directory; results are the same either way")
   parser.add_argument("--allow_dirty", action="store_true",
                       help="confirm on a tree with uncommitted changes (rows "
                            "and report say so)")
@@ -75,12 +82,12 @@ def main(argv=None) -> int:
           args.placement, parallel=args.parallel,
           devices_per_run=args.devices_per_run, devices=args.devices,
           platform=args.platform, launcher=args.launcher, slices=args.slices,
-          python=args.python)
+          python=args.python, compilation_cache=args.compilation_cache)
     stages.run(args.stage, spec, args.outdir, runner=runner,
                parallel=args.parallel, allow_dirty=args.allow_dirty,
                pilot=args.pilot, wandb=args.wandb)
-  except (protocol.ProtocolError, stages.StageError, ValueError,
-          FileNotFoundError) as e:
+  except (protocol.ProtocolError, stages.StageError, runner_lib.StudyBusy,
+          ValueError, FileNotFoundError) as e:
     print(f"ba_jax.ablate: {e}", file=sys.stderr)
     return 2
   except runner_lib.RunFailed as e:

@@ -39,6 +39,7 @@ r = 0.25 if args["config.loss.aggregation"] == "balanced" else 0.5
     for i in (1, 2)))
 (wd / "summary.json").write_text(json.dumps(dict(
     step=2, before_rl=dict(heldout_acc_sampled=0.1), after_rl=dict(heldout_acc_sampled=r))))
+(wd / "cache.txt").write_text(os.environ.get("JAX_COMPILATION_CACHE_DIR", "-"))
 time.sleep(1.0)  # long enough that runs started together overlap
 '''
 
@@ -281,9 +282,12 @@ def launches(log):
 def test_launcher_runs_go_one_per_slice_and_rows_come_from_the_shared_workdir(
     tmp_path, fake_train, monkeypatch):
   argv, log, rows_path = launcher_study(tmp_path, fake_train, monkeypatch)
-  assert ablate.main(argv) == 0
+  assert ablate.main(argv + [f"--compilation_cache={tmp_path / 'xla'}"]) == 0
   rows = read_rows(rows_path)
   assert len(rows) == 4  # 2 arms x 2 rates x 1 tuning seed
+  # every launch was given the study's compilation cache
+  assert {p.read_text() for p in rows_path.parent.glob("runs/*/cache.txt")} == {
+      str(tmp_path.resolve() / "xla")}
   runs = launches(log)
   assert len(runs) == 4
   for workdir, times in runs.items():

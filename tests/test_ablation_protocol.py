@@ -12,6 +12,7 @@ import pytest
 
 from ba_jax import ablate
 from ba_jax.ablation import protocol, spec as spec_lib, stages
+from ba_jax.ablation import runner as runner_lib
 from ba_jax.ablation.store import Store, read_rows
 
 SPEC = '''
@@ -121,6 +122,16 @@ def test_confirm_runs_a_committed_protocol_and_names_its_commit(study):
   text = stages.run("report", spec, log=lambda *_: None)
   assert f"protocol commit `{frozen}`, code commit `{head}`" in text
   assert "Dirty tree" not in text
+
+
+def test_a_second_study_process_on_the_same_runs_is_refused(study, capsys):
+  repo, spec = study
+  commit_protocol(repo)
+  with runner_lib.study_lock(repo / "study/results/runs"):
+    assert ablate.main(["--spec=study/spec.py", "--stage=confirm"]) == 2
+  err = capsys.readouterr().err
+  assert "ba_jax.ablate: " in err and "study/results/runs is in use" in err
+  assert not (repo / "study/results/results.jsonl").exists()
 
 
 def test_confirm_refuses_a_changed_protocol(study):

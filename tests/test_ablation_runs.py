@@ -2,7 +2,11 @@
 summary), and, slow, one real study of tiny runs end to end."""
 import json
 import pathlib
+import os
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -57,12 +61,14 @@ class OrderRunner:
 
   def warmup(self, settings, workdir):
     self.events.append(("warmup", settings["overrides"]["seed"]))
+    time.sleep(0.05)  # a slot that took a job records it before another frees
     return f"/warm/{settings['overrides']['seed']}"
 
   def train(self, settings, workdir):
     o = settings["overrides"]
     assert o["init_from"] == f"/warm/{o['seed']}"  # its own seed's warm-up
     self.events.append(("run", o["seed"]))
+    time.sleep(0.05)
     return dict(reward_auc=0.5)
 
 
@@ -90,6 +96,54 @@ def test_runs_go_seed_by_seed_each_after_its_own_warm_up(tmp_path, parallel):
       # every run of seeds two or more back has started by then
       earlier = [s for k, s in r.events[i + 1:] if k == "run" and s < seed - parallel + 1]
       assert earlier == [], r.events
+
+
+def test_every_run_is_given_the_compilation_cache_the_study_chose(tmp_path, monkeypatch):
+  monkeypatch.delenv(runner.CACHE_ENV, raising=False)
+  base = {"PATH": "/bin", runner.CACHE_ENV: "/from/the/shell"}
+  auto = runner.LocalRunner(2)
+  assert auto.with_cache(base) == base  # no study yet: the environment as given
+  assert auto.open_study(tmp_path / "runs") == str((tmp_path / "runs/xla_cache").resolve())
+  env = auto.with_cache(base)
+  assert env[runner.CACHE_ENV] == str(tmp_path.resolve() / "runs/xla_cache")
+  assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+  assert env["PATH"] == "/bin" and base[runner.CACHE_ENV] == "/from/the/shell"
+  # auto keeps a cache the user's environment already names
+  monkeypatch.setenv(runner.CACHE_ENV, "/shared/xla")
+  assert runner.LocalRunner(2).open_study(tmp_path / "runs") == "/shared/xla"
+  off = runner.LocalRunner(2, compilation_cache="off")
+  assert off.open_study(tmp_path / "runs") == ""
+  assert runner.CACHE_ENV not in off.with_cache(base)
+  mine = runner.LocalRunner(2, compilation_cache=str(tmp_path / "mine"))
+  mine.open_study(tmp_path / "runs")
+  assert mine.with_cache({})[runner.CACHE_ENV] == str(tmp_path.resolve() / "mine")
+  with pytest.raises(ValueError, match="compilation_cache='': expected auto, off or a directory"):
+    runner.LocalRunner(2, compilation_cache="")
+
+
+def test_a_runs_folder_in_use_is_refused_while_any_run_of_its_study_lives(tmp_path):
+  """The lock is held by the study process and inherited by its runs: a
+  second study on the folder is refused, naming the folder and what to do,
+  while a run the first one started is alive (here a stand-in process that
+  outlives the study, as a run of a killed study does), and goes ahead once
+  it has exited."""
+  spec = spec_lib.from_dict(BASE)
+  jobs = [runner.Job(0, "pos", "token", 3e-4)]
+  runs = tmp_path / "runs"
+  with runner.study_lock(runs) as fd:
+    straggler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 pass_fds=(fd,))
+  try:
+    with pytest.raises(runner.StudyBusy, match=rf"{runs} is in use: the study process "
+                       rf"pid {os.getpid()} holds .*\.study\.lock.*run the same command again"):
+      runner.execute(jobs, spec, OrderRunner(), Store(tmp_path / "rows.jsonl"), runs,
+                     log=lambda *_: None)
+  finally:
+    straggler.kill()
+    straggler.wait()
+  r = OrderRunner()
+  runner.execute(jobs, spec, r, Store(tmp_path / "rows.jsonl"), runs, log=lambda *_: None)
+  assert r.events == [("warmup", 0), ("run", 0)]
 
 
 def test_a_run_stopped_by_the_nonfinite_guard_scores_zero_for_what_is_missing(tmp_path):
@@ -134,6 +188,17 @@ def get_spec():
   assert sorted((r["arm"], r["seed"]) for r in rows) == [
       ("balanced", 0), ("balanced", 1), ("token", 0), ("token", 1)]
   assert all(r["steps"] == 1 and r["code_commit"] for r in rows)
+  # the runs used the test session's compilation cache (auto keeps the
+  # JAX_COMPILATION_CACHE_DIR conftest sets); the same run again with a cache
+  # of its own, empty, compiles into it and gives the same outcomes, to the bit
+  job = runner.Job(1, "all", "balanced", 1e-3)
+  fresh = runner.LocalRunner(1, compilation_cache=str(tmp_path / "fresh_cache"))
+  (cold,) = runner.execute([job], spec, fresh, Store(tmp_path / "cold.jsonl"),
+                           tmp_path / "cold_runs", log=lambda *_: None).values()
+  assert len(list((tmp_path / "fresh_cache").glob("*train_step*"))) == 1
+  (warm,) = [r for r in rows if (r["arm"], r["seed"]) == ("balanced", 1)]
+  for k in ("reward_auc", "heldout_after", "curves", "weight_length_corr"):
+    assert cold[k] == warm[k], k
   text = stages.run("report", spec, log=lambda *_: None)
   assert "## Rates `tuned` (confirmatory)" in text
   assert (tmp_path / "study/results/curves_tuned_all.png").stat().st_size > 10_000

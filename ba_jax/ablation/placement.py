@@ -196,11 +196,12 @@ class DeviceRunner(runner.LocalRunner):
   """Runs on sub-meshes of this host: ``len(devices.ids) // per_run`` at a
   time, each a process shown its own ``per_run`` devices."""
 
-  def __init__(self, devices: Devices, per_run: int, base_env=None):
+  def __init__(self, devices: Devices, per_run: int, base_env=None,
+               compilation_cache: str = "auto"):
     self.devices = devices
     self.groups = device_groups(devices, per_run)
     self.base_env = dict(os.environ if base_env is None else base_env)
-    super().__init__(parallel=len(self.groups))
+    super().__init__(parallel=len(self.groups), compilation_cache=compilation_cache)
 
   def slots(self) -> list:
     return list(range(len(self.groups)))
@@ -244,7 +245,8 @@ class LauncherRunner(runner.LocalRunner):
   comes free takes the next run (round-robin while runs take equal time).
   A warm-up's export runs here, on CPU, from the shared workdir."""
 
-  def __init__(self, template: str, slices, python: str = "python3"):
+  def __init__(self, template: str, slices, python: str = "python3",
+               compilation_cache: str = "auto"):
     if not re.search(r"\{(cmd|args)\}", template):
       raise ValueError(f"--launcher={template!r}: the template must hold {{cmd}} "
                        "(the whole python -m ba_jax.train command) or {args} (its "
@@ -254,7 +256,7 @@ class LauncherRunner(runner.LocalRunner):
       raise ValueError(f"--slices={','.join(slices)}: expected distinct slice "
                        "names, one run at a time on each")
     self.template, self.python = template, python
-    super().__init__(parallel=len(self.slices))
+    super().__init__(parallel=len(self.slices), compilation_cache=compilation_cache)
 
   def slots(self) -> list:
     return list(self.slices)
@@ -270,7 +272,8 @@ class LauncherRunner(runner.LocalRunner):
       f.write(f"# slice {slot}: {line}\n")
       f.flush()
       proc = subprocess.run(line, shell=True, stdout=f, stderr=subprocess.STDOUT,
-                            env=dict(os.environ))
+                            env=self.with_cache(os.environ),
+                            pass_fds=self.hold_fds)
     if proc.returncode:
       raise runner.RunFailed(
           f"run {workdir.name} on slice {slot}: the launcher exited "
@@ -296,7 +299,8 @@ class LauncherRunner(runner.LocalRunner):
 
 def make_runner(placement: str, *, parallel: int = 2, devices_per_run=None,
                 devices=None, platform=None, launcher=None, slices=None,
-                python: str = "python3", log=print) -> runner.LocalRunner:
+                python: str = "python3", compilation_cache: str = "auto",
+                log=print) -> runner.LocalRunner:
   """The runner of ``--placement`` and its flags; an error naming a flag that
   does not belong to the placement or is missing."""
   given = {"--devices_per_run": devices_per_run, "--devices": devices,
@@ -311,19 +315,19 @@ def make_runner(placement: str, *, parallel: int = 2, devices_per_run=None,
                      f"they belong to " + " / ".join(
                          f"--placement={p}" for p, ks in mine.items() if set(stray) & set(ks)))
   if placement == "local":
-    return runner.LocalRunner(parallel)
+    return runner.LocalRunner(parallel, compilation_cache)
   if placement == "devices":
     if devices_per_run is None:
       raise ValueError("--placement=devices needs --devices_per_run=K")
     host = host_devices(platform, devices)
-    r = DeviceRunner(host, int(devices_per_run))
+    r = DeviceRunner(host, int(devices_per_run), compilation_cache=compilation_cache)
     log(f"placement: {len(r.groups)} runs at a time on {host.platform} devices "
         + " | ".join(",".join(g) for g in r.groups) + f" ({host.found})")
     return r
   if not launcher or not slices:
     raise ValueError("--placement=launcher needs --launcher=TEMPLATE and "
                      "--slices=a,b,...")
-  r = LauncherRunner(launcher, slices.split(","), python)
+  r = LauncherRunner(launcher, slices.split(","), python, compilation_cache)
   log(f"placement: one run at a time on each of the slices {', '.join(r.slices)}; "
       "their workdirs must be on a filesystem every slice and this machine see")
   return r

@@ -10,12 +10,26 @@ short starts again in an empty workdir. With ``warmup="per_seed"`` each
 seed's supervised warm-up runs once, is exported, and every RL run of that
 seed starts from it (common random numbers); ``shared`` uses seed 0's for
 every seed.
+
+Every run is given JAX's persistent compilation cache (by default
+``<runs>/xla_cache``, see ``LocalRunner``): the arms of a study compile a
+handful of distinct programs, and every later seed, cell and rate of an arm
+loads them instead of compiling again. The cache holds compiled programs
+only, keyed by their HLO, options, devices and JAX version, so a run's
+numbers are the same with it warm, cold or off.
+
+One study process at a time runs a runs folder: ``execute`` locks
+``<runs>/.study.lock`` and every process it starts inherits the lock, so
+while a study, or any run a killed study left going, is still alive, a
+second ``ba_jax.ablate`` on the same folder is refused (``StudyBusy``)
+instead of starting runs in workdirs that another process still writes.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
 import dataclasses
+import fcntl
 import itertools
 import os
 import pathlib
@@ -86,15 +100,66 @@ class RunFailed(RuntimeError):
   stops, and resumes from the rows."""
 
 
+class StudyBusy(RuntimeError):
+  """Another process holds the runs folder's lock: a study, or runs one
+  started."""
+
+
+LOCK = ".study.lock"
+
+
+@contextlib.contextmanager
+def study_lock(runs_dir: pathlib.Path):
+  """Holds ``runs_dir`` for this process; yields the lock's file descriptor,
+  which the runs inherit (``pass_fds``), so the lock lasts while any of
+  them does. ``StudyBusy`` names the holder when it is taken."""
+  runs_dir = pathlib.Path(runs_dir)
+  runs_dir.mkdir(parents=True, exist_ok=True)
+  path = runs_dir / LOCK
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = path.read_text().strip() or "unknown"
+      raise StudyBusy(
+          f"{runs_dir} is in use: the study process {holder} holds {path}, or "
+          f"runs it started are still going (they hold it too; see `pgrep -f "
+          f"{runs_dir}`). Wait for them, or stop them, then run the same "
+          f"command again: it resumes from the rows") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()}\n".encode())
+    yield fd
+  finally:
+    os.close(fd)  # the lock goes with the last process that holds it
+
+
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+# cache every program, however quick to compile (ba_jax.policy.compiling's
+# CACHE_MIN_COMPILE_SECONDS; not imported: planning a study imports no JAX)
+CACHE_MIN_ENV = ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
 class LocalRunner:
   """Runs as subprocesses on this machine, ``parallel`` at a time, each on
   ``cores // parallel`` threads. Subclasses (``ba_jax.ablation.placement``)
   change the slots a run takes (``slots``), its environment (``env``) and
-  how its training process starts (``_train``)."""
+  how its training process starts (``_train``).
 
-  def __init__(self, parallel: int = 2):
+  ``compilation_cache``: JAX's persistent compilation cache for every run
+  (``JAX_COMPILATION_CACHE_DIR`` in its environment): ``auto`` (the default)
+  is ``<runs>/xla_cache`` beside the study's runs, unless that variable is
+  already set, which is then kept; ``off`` unsets it; anything else is the
+  directory. Whoever can write to it can run code in the runs."""
+
+  def __init__(self, parallel: int = 2, compilation_cache: str = "auto"):
     self.parallel = max(1, parallel)
     self.threads = max(1, (os.cpu_count() or 2) // self.parallel)
+    if not compilation_cache:
+      raise ValueError("compilation_cache='': expected auto, off or a directory")
+    self.compilation_cache = compilation_cache
+    self.cache_dir = None  # unknown until the runs' folder is (open_study)
+    self.hold_fds = ()  # the study lock, held by every process started
     self._free = queue.Queue()
     for slot in self.slots():
       self._free.put(slot)
@@ -109,6 +174,32 @@ class LocalRunner:
 
   def check(self, settings: list[dict]) -> None:
     """Refuses, before any run starts, settings this placement cannot run."""
+
+  def open_study(self, runs_dir: pathlib.Path, lock_fd=None) -> str:
+    """Settles the compilation cache of runs kept in ``runs_dir`` (returns
+    the directory, '' for none); ``lock_fd`` (``study_lock``'s) is passed on
+    to every process started."""
+    self.hold_fds = () if lock_fd is None else (lock_fd,)
+    choice = self.compilation_cache
+    if choice == "off":
+      self.cache_dir = ""
+    elif choice == "auto":
+      self.cache_dir = os.environ.get(CACHE_ENV) or str(
+          (pathlib.Path(runs_dir) / "xla_cache").resolve())
+    else:
+      self.cache_dir = str(pathlib.Path(choice).expanduser().resolve())
+    return self.cache_dir
+
+  def with_cache(self, env: dict) -> dict:
+    """``env`` with the compilation cache set (or unset, for ``off``)."""
+    env = dict(env)
+    if self.cache_dir is None:  # outside a study (no runs folder): as given
+      return env
+    env.pop(CACHE_ENV, None)
+    if self.cache_dir:
+      env[CACHE_ENV] = self.cache_dir
+      env.setdefault(*CACHE_MIN_ENV)
+    return env
 
   def env(self, slot) -> dict:
     env = dict(os.environ)
@@ -127,7 +218,8 @@ class LocalRunner:
 
   def _run(self, cmd: list[str], log: pathlib.Path, env: dict) -> None:
     with open(log, "w") as f:
-      proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+      proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                            env=self.with_cache(env), pass_fds=self.hold_fds)
     if proc.returncode:
       raise RunFailed(f"{' '.join(cmd)} exited {proc.returncode}; log {log}:\n"
                       f"{log.read_text()[-3000:]}")
@@ -186,6 +278,22 @@ def execute(jobs, spec, runner, store: Store, runs_dir: pathlib.Path, *,
     seeds = {warmup_seed(spec, j.seed) for j in todo} - {None}
     check([settings[j] for j in todo] +
           [warmup_settings(spec, w) for w in sorted(seeds)])
+  if not todo:
+    return {j: store.get(keys[j]) for j in jobs}
+  with study_lock(runs_dir) as lock_fd:
+    opened = getattr(runner, "open_study", None)
+    if opened:
+      where = opened(runs_dir, lock_fd)
+      log(f"compiled programs are cached in {where}" if where else
+          "compilation cache off: every run compiles its programs")
+    _execute(todo, spec, runner, store, runs_dir, settings, keys,
+             parallel=parallel, row_fields=row_fields, log=log)
+  return {j: store.get(keys[j]) for j in jobs}
+
+
+def _execute(todo, spec, runner, store, runs_dir, settings, keys, *, parallel,
+             row_fields, log) -> None:
+  """``execute``'s schedule of the jobs ``todo``, under the study lock."""
 
   def warm(seed):
     if seed is None:
@@ -238,4 +346,3 @@ def execute(jobs, spec, runner, store: Store, runs_dir: pathlib.Path, *,
       # ones do not start); the next call resumes from the rows
       pool.shutdown(wait=True, cancel_futures=True)
       raise
-  return {j: store.get(keys[j]) for j in jobs}
