@@ -196,6 +196,7 @@ def get_spec():
   (cold,) = runner.execute([job], spec, fresh, Store(tmp_path / "cold.jsonl"),
                            tmp_path / "cold_runs", log=lambda *_: None).values()
   assert len(list((tmp_path / "fresh_cache").glob("*train_step*"))) == 1
+  assert fresh.hold_fds == ()  # the study's lock went with it
   (warm,) = [r for r in rows if (r["arm"], r["seed"]) == ("balanced", 1)]
   for k in ("reward_auc", "heldout_after", "curves", "weight_length_corr"):
     assert cold[k] == warm[k], k

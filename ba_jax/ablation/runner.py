@@ -286,8 +286,12 @@ def execute(jobs, spec, runner, store: Store, runs_dir: pathlib.Path, *,
       where = opened(runs_dir, lock_fd)
       log(f"compiled programs are cached in {where}" if where else
           "compilation cache off: every run compiles its programs")
-    _execute(todo, spec, runner, store, runs_dir, settings, keys,
-             parallel=parallel, row_fields=row_fields, log=log)
+    try:
+      _execute(todo, spec, runner, store, runs_dir, settings, keys,
+               parallel=parallel, row_fields=row_fields, log=log)
+    finally:
+      if opened:
+        runner.hold_fds = ()  # the descriptor closes with the lock
   return {j: store.get(keys[j]) for j in jobs}
 
 
