@@ -55,9 +55,10 @@ def main(argv=None):
   spec = spec_lib.load(args.spec)
   job = runner.Job(args.seed, args.cell, args.arm, args.lr)
   key = config_hash(runner.run_settings(spec, job))
-  study_runs = pathlib.Path(args.runs) if args.runs else stages.outdir_of(spec) / "runs"
-  committed = [r for r in read_rows(stages.outdir_of(spec) / "tuning.jsonl")
-               if r["config_hash"] == key] if (stages.outdir_of(spec) / "tuning.jsonl").exists() else []
+  outdir = stages.outdir_of(spec)
+  study_runs = pathlib.Path(args.runs) if args.runs else outdir / "runs"
+  # read_rows: [] where the study has no tuning rows yet
+  committed = [r for r in read_rows(outdir / "tuning.jsonl") if r["config_hash"] == key]
 
   scratch = pathlib.Path(tempfile.mkdtemp(prefix="bench_study_cache_"))
   warm_src = runner.warmup_settings(spec, runner.warmup_seed(spec, args.seed))
