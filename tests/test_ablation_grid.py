@@ -201,6 +201,34 @@ def test_the_report_groups_the_mechanism_checks_per_surrogate_and_correction():
   assert texts.mechanism_by_axis(planning.make_plan(one, []), rows) == []
 
 
+def test_the_curves_put_a_row_per_first_axis_value_and_style_the_last(tmp_path):
+  """Crossed arms: a row of panels per first-axis value, one colour per
+  middle-axis value in every row, a line style per last-axis value; one
+  axis: one row, a colour per arm."""
+  from ba_jax.ablation import plots
+  spec = spec_lib.from_dict(dict(GRID, arms=GRID["arms"] + [("ppo_clip", "dr_grpo", "none")]))
+  plan = dict(arms=list(spec.arms), arm_keys=list(spec.arm_keys),
+              arm_values={a: list(v) for a, v in spec.arm_values.items()})
+  rows = plots.layout(plan)
+  assert [title for title, _ in rows] == ["loss.surrogate=ppo_clip", "loss.surrogate=gspo"]
+  ppo, gspo = (dict((arm, (label, colour, style)) for arm, label, colour, style in m)
+               for _, m in rows)
+  assert ppo["ppo_clip/balanced/tis_token"] == ("balanced/tis_token", 1, 1)
+  assert gspo["gspo/balanced/tis_token"] == ("balanced/tis_token", 1, 1)
+  assert gspo["gspo/token/none"] == ("token/none", 0, 0)
+  assert ppo["ppo_clip/dr_grpo/none"] == ("dr_grpo/none", 2, 0)
+  assert set(ppo) | set(gspo) == set(spec.arms)  # every arm drawn once
+  one = dict(arms=["token", "sequence", "balanced"])
+  assert plots.layout(one) == [("", [("token", "token", 0, 0), ("sequence", "sequence", 1, 0),
+                                     ("balanced", "balanced", 2, 0)])]
+  curve = {"reward_mean": [0.1, 0.2], "entropy": [1.0, 0.9], "length_mean": [5, None]}
+  made = plots.plot(dict(plan, cells={"pos": {}}, confirm_seeds=[0],
+                         chosen={f"pos/{a}": 3e-4 for a in spec.arms}),
+                    [dict(cell="pos", arm=a, lr=3e-4, seed=0, curves=curve) for a in spec.arms],
+                    tmp_path)
+  assert [p.name for p in made] == ["curves_tuned_pos.png"] and made[0].stat().st_size > 0
+
+
 def test_plan_gives_the_seeds_at_holms_first_step(tmp_path):
   """PLAN.md's last line: the pooled paired SD of the pilot's comparisons
   and the seeds for each detectable difference at alpha / family size."""

@@ -376,7 +376,11 @@ def report_md(plan: dict, rows: list[dict], n_tuning: int,
             "graded rollout of the run) over the variance across seeds, per "
             "arm; and for the held-out paired differences of the named "
             "comparisons (the sum of both runs' binomial variances over the "
-            "variance of d).", "",
+            "variance of d). The runs of a seed share its sampling draws, so "
+            "this sum assumes an independence paired runs lack: a share above "
+            "1 says the two arms' runs answered alike more often than "
+            "independent runs would (their policies barely differ), not that "
+            "the noise exceeds the spread.", "",
             "| rates | cell | arm or comparison | held-out noise share "
             "| training-reward noise share |", "|---|---|---|---:|---:|"]
   for setting in settings:
