@@ -218,6 +218,13 @@ def test_the_curves_put_a_row_per_first_axis_value_and_style_the_last(tmp_path):
   assert gspo["gspo/token/none"] == ("token/none", 0, 0)
   assert ppo["ppo_clip/dr_grpo/none"] == ("dr_grpo/none", 2, 0)
   assert set(ppo) | set(gspo) == set(spec.arms)  # every arm drawn once
+  # values that are not strings are named as the arms are (arms.name_of)
+  floats = spec_lib.from_dict(dict(GRID, arm_keys=["loss.aggregation", "loss.eps_high"],
+                                   arms=arms.grid(["token", "balanced"], [0.28, 0.2]),
+                                   comparisons=[]))
+  assert plots.layout(dict(arms=list(floats.arms), arm_keys=list(floats.arm_keys),
+                           arm_values=dict(floats.arm_values)))[0] == (
+      "loss.aggregation=token", [("token/0.28", "0.28", 0, 0), ("token/0.2", "0.2", 0, 1)])
   one = dict(arms=["token", "sequence", "balanced"])
   assert plots.layout(one) == [("", [("token", "token", 0, 0), ("sequence", "sequence", 1, 0),
                                      ("balanced", "balanced", 2, 0)])]

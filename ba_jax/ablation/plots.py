@@ -11,6 +11,7 @@ import pathlib
 
 import numpy as np
 
+from ba_jax.ablation.arms import name_of
 from ba_jax.ablation.comparisons import setting_rows, settings_of
 
 CURVES = (("reward_mean", "training reward"), ("entropy", "policy entropy"),
@@ -32,8 +33,8 @@ def layout(plan: dict) -> list[tuple[str, list[tuple[str, str, int, int]]]]:
   rows = []
   for first in firsts:
     mine = [a for a in arms if values[a][0] == first]
-    rows.append((f"{keys[0]}={first}",
-                 [(a, "/".join(values[a][1:]), middles.index(tuple(values[a][1:-1])),
+    rows.append((f"{keys[0]}={name_of([first])}",
+                 [(a, name_of(values[a][1:]), middles.index(tuple(values[a][1:-1])),
                    lasts.index(values[a][-1]) % len(STYLES)) for a in mine]))
   return rows
 
